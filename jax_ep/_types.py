@@ -1,0 +1,105 @@
+"""The static configuration of one dispatch, and the pytrees it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+
+import jax
+
+LAYOUTS = ("ragged", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything static about one dispatch: shapes, sizes and choices.
+
+    It is the pytree aux data of :class:`Handle`, so ``combine`` and the
+    backward passes see the same configuration as the dispatch that made it.
+    """
+
+    axis_name: Hashable
+    num_ranks: int  # R: size of the EP axis
+    num_experts: int  # E
+    num_tokens: int  # T: tokens per rank
+    topk: int  # K
+    layout: str  # "ragged" or "expert"
+    capacity: int  # C
+    expert_alignment: int
+    backend: str  # resolved: "xla" or "cuda"
+
+    @property
+    def local_experts(self) -> int:
+        """L = E // R: experts held by each rank."""
+        return self.num_experts // self.num_ranks
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the flattened receive layout: C (ragged) or L * C (expert)."""
+        return self.capacity if self.layout == "ragged" else self.local_experts * self.capacity
+
+    def layout_shape(self, hidden: int) -> tuple[int, ...]:
+        """Shape of ``Dispatched.x`` for a hidden size."""
+        if self.layout == "ragged":
+            return (self.capacity, hidden)
+        return (self.local_experts, self.capacity, hidden)
+
+    @property
+    def weights_shape(self) -> tuple[int, ...]:
+        """Shape of ``Dispatched.weights``."""
+        return self.layout_shape(0)[:-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """The routing of one dispatch, kept for ``combine`` and the backward passes.
+
+    All fields are int32 arrays local to one rank of the EP axis
+    (R ranks, T tokens, K slots per token, N rows of the flattened layout):
+
+    * ``token_dest_pos [T, R]``: row of token ``t`` in the send list to rank
+      ``d`` (tokens sent to ``d`` in token order), -1 when ``t`` sends nothing
+      there.
+    * ``slot_dest [T, K]``: rank that received slot ``(t, k)``, -1 when the slot
+      is unused, invalid or dropped.
+    * ``recv_rows [R, T, K]``: for the ``i``-th token received from rank ``r``,
+      the layout row of its slot ``k``, -1 when that slot was not delivered here.
+    * ``row_slot [N]``: for each layout row, the received slot it holds as
+      ``(r * T + i) * K + k``, -1 for padding.
+    """
+
+    token_dest_pos: jax.Array
+    slot_dest: jax.Array
+    recv_rows: jax.Array
+    row_slot: jax.Array
+    config: Config = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """What :func:`jax_ep.dispatch` returns on each rank.
+
+    Shapes for ``layout="ragged"`` / ``layout="expert"`` (C = capacity,
+    L = local experts, H = hidden size):
+
+    * ``x``: ``[C, H]`` / ``[L, C, H]``, dtype of the dispatched ``x``.
+    * ``weights``: ``[C]`` / ``[L, C]`` float32, the slot's routing weight,
+      0 on padding.
+    * ``group_sizes``: ``[L]`` int32. Ragged: rows of each expert's segment
+      including alignment padding (feed to ``jax.lax.ragged_dot``). Expert:
+      rows kept per local expert.
+    * ``num_dropped``: int32 scalar, valid slots routed to this rank that did
+      not fit in the capacity.
+    * ``num_invalid``: int32 scalar, slots of this rank's ``topk_idx`` that are
+      neither -1 nor a valid expert id.
+    * ``handle``: :class:`Handle`, for :func:`jax_ep.combine`.
+    """
+
+    x: jax.Array
+    weights: jax.Array
+    group_sizes: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    handle: Handle

@@ -1,0 +1,49 @@
+"""Trace-time argument checks with messages that name the argument, the expected and the actual value."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """``value`` is a Python int (not bool) >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"jax_ep: {name} must be a Python int, got {value!r} of type {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"jax_ep: {name} must be a positive int, got {value}")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"jax_ep: {name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_array(
+    name: str,
+    value: Any,
+    *,
+    ndim: int | None = None,
+    shape: tuple[int, ...] | None = None,
+    leading: tuple[int, ...] = (),
+    dtype: Any = None,
+    kind: str | None = None,
+) -> None:
+    """``value`` is an array of the given rank, exact shape, leading dims, dtype or dtype kind."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(f"jax_ep: {name} must be an array, got {type(value).__name__}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"jax_ep: {name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"jax_ep: {name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if tuple(value.shape[: len(leading)]) != tuple(leading):
+        raise ValueError(
+            f"jax_ep: {name} must have leading dimensions {tuple(leading)}, got shape {tuple(value.shape)}"
+        )
+    if dtype is not None and value.dtype != jnp.dtype(dtype):
+        raise TypeError(f"jax_ep: {name} must have dtype {jnp.dtype(dtype).name}, got {value.dtype}")
+    if kind == "floating" and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"jax_ep: {name} must have a floating dtype, got {value.dtype}")
