@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine: build the extension, run the GPU tests, write results under $OUT.
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh [extra pytest files...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jax_ep_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+nvidia-smi topo -m >> "$OUT/nvidia-smi.txt" 2>&1
+if ! python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  exit 1
+fi
+grep "jax_ep:" "$OUT/build.log"
+python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py "$@" 2>&1 | tee "$OUT/tests.log"

@@ -1,0 +1,8 @@
+// XLA FFI handlers of jax_ep, exported as C symbols for the nanobind module.
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxEpRoutingLayout(XLA_FFI_CallFrame* call_frame);
+}
