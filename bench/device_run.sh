@@ -3,6 +3,7 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh [extra pytest files...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export JAX_EP_COMMAND="bash bench/device_run.sh $*"
 OUT=${OUT:-/tmp/jax_ep_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"

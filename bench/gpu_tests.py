@@ -1,6 +1,6 @@
 """Run GPU test files and record each test's outcome as JSON with its provenance.
 
-    python bench/gpu_tests.py OUT.json tests/test_cuda_layout.py [more pytest args]
+python bench/gpu_tests.py OUT.json tests/test_cuda_layout.py [more pytest args]
 """
 
 from __future__ import annotations
@@ -27,11 +27,18 @@ def main() -> int:
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     outcome = child.tag
-            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                          "seconds": float(case.get("time", 0))})
+            cases.append(
+                {
+                    "test": f"{case.get('classname')}::{case.get('name')}",
+                    "outcome": outcome,
+                    "seconds": float(case.get("time", 0)),
+                }
+            )
     summary = {kind: sum(c["outcome"] == kind for c in cases) for kind in ("passed", "failure", "error", "skipped")}
-    write(out, {**provenance("python " + " ".join(sys.argv)), "pytest_exit": int(status), "summary": summary,
-                "tests": cases})
+    write(
+        out,
+        {**provenance("python " + " ".join(sys.argv)), "pytest_exit": int(status), "summary": summary, "tests": cases},
+    )
     print(summary)
     return int(status)
 

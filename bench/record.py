@@ -29,7 +29,7 @@ def provenance(command: str) -> dict:
     from jax_ep import _cuda
 
     info = {
-        "command": command,
+        "command": os.environ.get("JAX_EP_COMMAND") or command,
         "commit": os.environ.get("JAX_EP_COMMIT") or _git_commit(),
         "devices": _nvidia_smi() or [str(d) for d in jax.devices()],
         "jax": jax.__version__,

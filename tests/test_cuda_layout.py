@@ -44,7 +44,7 @@ def test_layout_kernel_matches_xla(kind, num_tokens, topk, num_experts, num_rank
     idx = jax.device_put(_routing(kind, num_tokens, topk, num_experts, seed=num_tokens), device)
     cuda = jax.jit(lambda i: _cuda.routing_layout(i, num_experts, num_ranks))(idx)
     xla = jax.jit(lambda i: local_layout(i, num_experts, num_ranks))(idx)
-    for name, got, want in zip(xla._fields, cuda, xla):
+    for name, got, want in zip(xla._fields, cuda, xla, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
     assert int(np.asarray(xla.num_invalid)) == int(((np.asarray(idx) >= num_experts) | (np.asarray(idx) < -1)).sum())
 
@@ -65,5 +65,5 @@ def test_layout_kernel_inside_shard_map():
 
     with jax.set_mesh(mesh):
         outs = jax.jit(jax.shard_map(both, in_specs=P("ep"), out_specs=P("ep")))(idx)
-    for got, want in zip(outs[:5], outs[5:]):
+    for got, want in zip(outs[:5], outs[5:], strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
