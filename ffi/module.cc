@@ -1,17 +1,90 @@
-// The Python extension jax_ep._jax_ep_cuda: FFI handler capsules and NCCL facts.
+// The Python extension jax_ep._jax_ep_cuda: FFI handler capsules, state types, resources and NCCL facts.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <string>
+
 #include "handlers.h"
+#include "resources.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+nb::capsule Capsule(void* pointer) { return nb::capsule(pointer); }
+
+void Check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep.peer_copy_seconds: ") + what + ": " +
+                                                      cudaGetErrorString(status));
+}
+
+// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst (mean of `iters` after a warm-up, by CUDA events):
+// the yardstick the benchmarks compare the exchange with.
+double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
+  int saved = 0;
+  cudaGetDevice(&saved);
+  void *from = nullptr, *to = nullptr;
+  Check(cudaSetDevice(dst), "cudaSetDevice");
+  Check(cudaMalloc(&to, bytes), "cudaMalloc");
+  Check(cudaSetDevice(src), "cudaSetDevice");
+  Check(cudaMalloc(&from, bytes), "cudaMalloc");
+  Check(cudaMemset(from, 0x5a, bytes), "cudaMemset");
+  cudaDeviceEnablePeerAccess(dst, 0);
+  cudaGetLastError();
+  cudaStream_t stream;
+  cudaEvent_t start, stop;
+  Check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int i = 0; i < 3; ++i) Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
+  Check(cudaEventRecord(start, stream), "cudaEventRecord");
+  for (int i = 0; i < iters; ++i) Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
+  Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+  Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  cudaFree(from);
+  cudaSetDevice(dst);
+  cudaFree(to);
+  cudaSetDevice(saved);
+  return ms / 1e3 / iters;
+}
+
+}  // namespace
 
 NB_MODULE(_jax_ep_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_ep_routing_layout"] = nb::capsule(reinterpret_cast<void*>(JaxEpRoutingLayout));
+    targets["jax_ep_routing_layout"] = Capsule(reinterpret_cast<void*>(JaxEpRoutingLayout));
+    nb::dict exchange;
+    exchange["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeInstantiate));
+    exchange["execute"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeExecute));
+    targets["jax_ep_exchange"] = exchange;
     return targets;
   });
+  m.def("type_registrations", []() {
+    nb::dict types;
+    nb::dict state;
+    state["type_id"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeStateTypeId()));
+    state["type_info"] = Capsule(const_cast<void*>(static_cast<const void*>(JaxEpExchangeStateTypeInfo())));
+    types["jax_ep_exchange_state"] = state;
+    return types;
+  });
+  m.def(
+      "initialize",
+      [](const std::vector<std::vector<int>>& groups, size_t capacity_bytes) {
+        const std::string error = jax_ep::InitializeResources(groups, capacity_bytes);
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("groups"), nb::arg("capacity_bytes"));
+  m.def("finalize", &jax_ep::ReleaseResources);
+  m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
   m.def("nccl_version", []() {
     int version = 0;
     if (ncclGetVersion(&version) != ncclSuccess) throw std::runtime_error("jax_ep: ncclGetVersion failed");

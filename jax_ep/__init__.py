@@ -1,7 +1,17 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
 from ._api import combine, default_capacity, dispatch
+from ._cuda import buffer_size_hint, finalize, initialize
 from ._types import Dispatched, Handle
 
-__all__ = ["Dispatched", "Handle", "combine", "default_capacity", "dispatch"]
+__all__ = [
+    "Dispatched",
+    "Handle",
+    "buffer_size_hint",
+    "combine",
+    "default_capacity",
+    "dispatch",
+    "finalize",
+    "initialize",
+]
 __version__ = "0.1.0"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable
-from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 
-from . import _backends
+from . import _backends, _ops
 from ._types import LAYOUTS, Config, Dispatched, Handle
 from ._validate import check_array, check_choice, check_positive_int
 
@@ -107,7 +106,7 @@ def dispatch(
         layout=layout,
         capacity=capacity,
         expert_alignment=expert_alignment,
-        backend=_backends.resolve(backend),
+        backend=_backends.resolve(backend, axis_name, num_ranks),
     )
     with jax.named_scope("jax_ep.dispatch"):
         return _dispatch(config, x, topk_idx, topk_weights)
@@ -139,13 +138,9 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None) -
         return _combine(y, handle, weights)
 
 
-def _backend(config: Config) -> ModuleType:
-    return _backends.module(config.backend)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    return _backend(config).dispatch(config, x, topk_idx, topk_weights)
+    return _ops.dispatch(config, x, topk_idx, topk_weights)
 
 
 def _dispatch_fwd(config, x, topk_idx, topk_weights):
@@ -154,10 +149,9 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 
 
 def _dispatch_bwd(config, handle, cotangent):
-    backend = _backend(config)
     rows_ct = cotangent.x.reshape(config.num_rows, -1)
-    dx = backend.to_tokens(handle, rows_ct, None)
-    dtopk_weights = backend.slot_values_to_tokens(handle, cotangent.weights.reshape(-1))
+    dx = _ops.to_tokens(handle, rows_ct, None)
+    dtopk_weights = _ops.slot_values_to_tokens(handle, cotangent.weights.reshape(-1))
     return dx, None, dtopk_weights
 
 
@@ -168,7 +162,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def _combine(y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
     rows = y.reshape(handle.config.num_rows, -1)
     flat_weights = None if weights is None else weights.reshape(-1)
-    return _backend(handle.config).to_tokens(handle, rows, flat_weights)
+    return _ops.to_tokens(handle, rows, flat_weights)
 
 
 def _combine_fwd(y, handle, weights):
@@ -177,7 +171,7 @@ def _combine_fwd(y, handle, weights):
 
 def _combine_bwd(residuals, cotangent):
     y, handle, weights = residuals
-    rows_ct = _backend(handle.config).to_experts(handle, cotangent).astype(jnp.float32)
+    rows_ct = _ops.to_experts(handle, cotangent).astype(jnp.float32)
     rows_ct = rows_ct.reshape(y.shape)
     if weights is None:
         return rows_ct.astype(y.dtype), None, None

@@ -1,7 +1,8 @@
-"""Backend choice: which implementation runs a dispatch."""
+"""Backend choice: which row exchange a dispatch uses."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from types import ModuleType
 
 from ._validate import check_choice
@@ -9,19 +10,25 @@ from ._validate import check_choice
 BACKENDS = ("auto", "xla", "cuda")
 
 
-def resolve(backend: str) -> str:
-    """The concrete backend ("xla" or "cuda") that ``backend`` names here."""
+def resolve(backend: str, axis_name: Hashable, num_ranks: int) -> str:
+    """The concrete backend ("xla" or "cuda") that ``backend`` names for this EP axis."""
     check_choice("backend", backend, BACKENDS)
-    if backend == "cuda":
-        raise ValueError(
-            "jax_ep: backend='cuda' was asked for, but the CUDA dispatch/combine kernels are not part of "
-            "this build; use backend='xla' or 'auto'"
-        )
-    return "xla"
+    if backend == "xla":
+        return "xla"
+    from . import _cuda
+
+    reason = _cuda.not_ready_reason(axis_name, num_ranks)
+    if backend == "cuda" and reason:
+        raise ValueError(f"jax_ep: backend='cuda' cannot run here: {reason}")
+    return "xla" if reason else "cuda"
 
 
 def module(backend: str) -> ModuleType:
-    """The module that implements a resolved backend."""
+    """The module with ``exchange`` and ``local_layout`` for a resolved backend."""
+    if backend == "cuda":
+        from . import _cuda
+
+        return _cuda
     from . import _xla
 
     return _xla

@@ -1,14 +1,22 @@
-"""The "cuda" backend's ``jax.ffi`` wrappers around the CUDA extension."""
+"""The "cuda" backend: ``jax.ffi`` wrappers around the CUDA extension, and its resources.
+
+The exchange stores rows straight into peer GPUs' library-owned receive buffers
+over NVLink and synchronizes through flags in device memory. Those buffers are
+created by :func:`initialize` before any computation runs, never during one.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._layout import LocalLayout
+from ._types import Config
 
 try:
     from . import _jax_ep_cuda as _extension
@@ -17,6 +25,9 @@ except ImportError as _error:  # built without CUDA, or its libraries are missin
     _import_error: ImportError | None = _error
 else:
     _import_error = None
+
+_CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
+_state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, capacity_bytes, timeout_cycles
 
 
 def available() -> bool:
@@ -29,8 +40,22 @@ def unavailable_reason() -> str:
     return "" if _import_error is None else f"the jax_ep CUDA extension did not load ({_import_error})"
 
 
+def not_ready_reason(axis_name: Hashable, num_ranks: int) -> str:
+    """Why backend 'cuda' cannot run a dispatch over this axis now ("" when it can)."""
+    if not available():
+        return unavailable_reason()
+    if not _state:
+        return "call jax_ep.initialize(mesh, axis_name, ...) first to create the peer-mapped buffers"
+    if (_state["axis_name"], _state["num_ranks"]) != (axis_name, num_ranks):
+        return (
+            f"jax_ep.initialize was called for axis {_state['axis_name']!r} of size {_state['num_ranks']}, "
+            f"but this dispatch runs over axis {axis_name!r} of size {num_ranks}"
+        )
+    return ""
+
+
 def nccl_version() -> int:
-    """Version code of the libnccl.so.2 the extension resolved (e.g. 22703 for 2.27.3)."""
+    """Version code of the libnccl.so.2 the extension resolved (e.g. 22809 for 2.28.9)."""
     _register()
     return _extension.nccl_version()
 
@@ -39,16 +64,81 @@ def nccl_version() -> int:
 def _register() -> None:
     if _extension is None:
         raise RuntimeError(f"jax_ep: backend 'cuda' is not available: {unavailable_reason()}")
-    for name, capsule in _extension.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    for name, target in _extension.registrations().items():
+        jax.ffi.register_ffi_target(name, target, platform="CUDA")
+    for name, registration in _extension.type_registrations().items():
+        jax.ffi.register_ffi_type(name, registration, platform="CUDA")
 
 
-def _result(like: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
+def buffer_size_hint(
+    *, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int, dtype: Any = jnp.float32
+) -> int:
+    """Bytes of receive buffer per GPU that dispatch and combine of these shapes need.
+
+    ``dtype`` is the widest dtype that is dispatched or combined (``x``, ``y``
+    and their cotangents).
+    """
+    itemsize = max(jnp.dtype(dtype).itemsize, 2)
+    row_bytes = max(hidden * itemsize, 2 * topk * 4)
+    return num_ranks * max(num_tokens * row_bytes, num_experts * 4)
+
+
+def initialize(
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable,
+    *,
+    num_tokens: int,
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    dtype: Any = jnp.float32,
+    timeout_s: float = 60.0,
+) -> None:
+    """Create the peer-mapped buffers of backend "cuda" for every EP group of ``mesh``.
+
+    Each group is the GPUs along ``axis_name`` (the other mesh axes index the
+    groups). Sizes are per rank, as seen inside ``shard_map``: ``num_tokens`` T,
+    ``hidden`` H, ``topk`` K, ``num_experts`` E, and the widest ``dtype`` that is
+    dispatched or combined. A later call with larger shapes fails with a clear
+    error. A rank waiting longer than ``timeout_s`` for its peers gives up and
+    marks the exchange as failed instead of hanging. Calling again replaces the
+    buffers; :func:`finalize` releases them.
+    """
+    _register()
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"jax_ep.initialize: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    if any(device.platform != "gpu" for device in mesh.devices.flat):
+        raise ValueError("jax_ep.initialize: backend 'cuda' needs a mesh of GPUs")
+    axis = mesh.axis_names.index(axis_name)
+    num_ranks = mesh.devices.shape[axis]
+    ordinals = np.vectorize(lambda device: device.local_hardware_id)(mesh.devices)
+    groups = np.moveaxis(ordinals, axis, -1).reshape(-1, num_ranks).tolist()
+    capacity = buffer_size_hint(
+        num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts, dtype=dtype
+    )
+    _state.clear()
+    _extension.initialize(groups, capacity)
+    _state.update(
+        axis_name=axis_name,
+        num_ranks=num_ranks,
+        capacity_bytes=capacity,
+        timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND),
+    )
+
+
+def finalize() -> None:
+    """Release the buffers made by :func:`initialize`; computations compiled before must not run again."""
+    if _extension is not None:
+        _extension.finalize()
+    _state.clear()
+
+
+def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
     """Result type that varies over the same mesh axes as ``like`` (inside ``shard_map``)."""
     return jax.typeof(like).update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
 
 
-def routing_layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> LocalLayout:
+def local_layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> LocalLayout:
     """:func:`jax_ep._layout.local_layout` computed by the CUDA kernel, bit for bit."""
     _register()
     num_tokens, topk = topk_idx.shape
@@ -61,3 +151,13 @@ def routing_layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> Loc
     )
     call = jax.ffi.ffi_call("jax_ep_routing_layout", results)
     return LocalLayout(*call(topk_idx, num_experts=num_experts, num_ranks=num_ranks))
+
+
+def exchange(buffer: jax.Array, counts: jax.Array, config: Config) -> tuple[jax.Array, jax.Array]:
+    """Rows ``[:counts[d]]`` of ``buffer[d]`` to rank ``d`` by NVLink peer stores; see ``_ops._exchange``."""
+    _register()
+    if not _state:
+        raise ValueError("jax_ep: backend='cuda' needs jax_ep.initialize(mesh, axis_name, ...) first")
+    results = (_result(buffer, buffer.shape, buffer.dtype), _result(counts, counts.shape, jnp.int32))
+    call = jax.ffi.ffi_call("jax_ep_exchange", results)
+    return call(buffer, counts.astype(jnp.int32), timeout_cycles=np.int64(_state["timeout_cycles"]))

@@ -61,17 +61,21 @@ class Handle:
     * ``token_dest_pos [T, R]``: row of token ``t`` in the send list to rank
       ``d`` (tokens sent to ``d`` in token order), -1 when ``t`` sends nothing
       there.
+    * ``send_counts [R]``: tokens sent to each rank.
     * ``slot_dest [T, K]``: rank that received slot ``(t, k)``, -1 when the slot
       is unused, invalid or dropped.
     * ``recv_rows [R, T, K]``: for the ``i``-th token received from rank ``r``,
       the layout row of its slot ``k``, -1 when that slot was not delivered here.
+    * ``recv_counts [R]``: tokens received from each rank.
     * ``row_slot [N]``: for each layout row, the received slot it holds as
       ``(r * T + i) * K + k``, -1 for padding.
     """
 
     token_dest_pos: jax.Array
+    send_counts: jax.Array
     slot_dest: jax.Array
     recv_rows: jax.Array
+    recv_counts: jax.Array
     row_slot: jax.Array
     config: Config = dataclasses.field(metadata=dict(static=True))
 

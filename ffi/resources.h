@@ -1,0 +1,47 @@
+// Library-owned, peer-mapped memory of one EP group of local GPUs, created before execution.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "exchange.h"
+
+namespace jax_ep {
+
+// One GPU's part of a group: its rank, its own buffers, and a device table of every rank's buffers.
+struct DeviceResources {
+  int ordinal = -1;
+  int rank = -1;
+  int num_ranks = 0;
+  size_t capacity_bytes = 0;   // receive buffer size
+  char* recv_buffer = nullptr;  // [R * rows * row_bytes] written by peers, per call
+  Signals* signals = nullptr;   // flags, counts and epoch in this GPU's memory
+  PeerTable* peers = nullptr;   // device copy of every rank's recv_buffer and signals
+};
+
+// All groups made by one Initialize call, keyed by device ordinal.
+class Resources {
+ public:
+  // Allocates and peer-maps buffers for each group of device ordinals. Returns "" or an error message.
+  std::string Initialize(const std::vector<std::vector<int>>& groups, size_t capacity_bytes);
+  // Frees everything after synchronizing the devices.
+  void Release();
+  // The resources of a device, or nullptr when it is in no group or was released.
+  const DeviceResources* Find(int ordinal) const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<int, DeviceResources> devices_;
+};
+
+// The process-wide resources that jax_ep.initialize() sets up.
+std::shared_ptr<Resources> CurrentResources();
+std::string InitializeResources(const std::vector<std::vector<int>>& groups, size_t capacity_bytes);
+void ReleaseResources();
+
+}  // namespace jax_ep
