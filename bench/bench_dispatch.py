@@ -22,8 +22,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import jax_ep  # noqa: E402
 from record import provenance, write  # noqa: E402
+
+import jax_ep  # noqa: E402
 
 
 def seconds_per_call(fn, *args, iters: int) -> float:
@@ -85,7 +86,7 @@ def main() -> None:
         devices[0].local_hardware_id, devices[1].local_hardware_id, int(remote_bytes_per_rank), args.iters
     )
     copy_gbps = remote_bytes_per_rank / copy_s / 1e9
-    for backend, r in results.items():
+    for r in results.values():
         for op in ("dispatch", "combine"):
             gbps = remote_bytes_per_rank / (r[f"{op}_us"] * 1e-6) / 1e9
             r[f"{op}_GBps"] = gbps

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine: build the extension, run the GPU tests, write results under $OUT.
-#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh [extra pytest files...]
+# On the GPU machine: build the extension, run the GPU tests and the benchmark, write results under $OUT.
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export JAX_EP_COMMAND="bash bench/device_run.sh $*"
@@ -13,4 +13,6 @@ if ! python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build
   exit 1
 fi
 grep "jax_ep:" "$OUT/build.log"
-python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py "$@" 2>&1 | tee "$OUT/tests.log"
+python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py -x \
+  2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|Error|passed|failed"
+timeout 240 python3 bench/bench_dispatch.py "$OUT/bench_dispatch.json" 2>&1 | tee "$OUT/bench.log"
