@@ -64,10 +64,10 @@ def nccl_version() -> int:
 def _register() -> None:
     if _extension is None:
         raise RuntimeError(f"jax_ep: backend 'cuda' is not available: {unavailable_reason()}")
-    for name, target in _extension.registrations().items():
-        jax.ffi.register_ffi_target(name, target, platform="CUDA")
     for name, registration in _extension.type_registrations().items():
         jax.ffi.register_ffi_type(name, registration, platform="CUDA")
+    for name, target in _extension.registrations().items():
+        jax.ffi.register_ffi_target(name, target, platform="CUDA")
 
 
 def buffer_size_hint(

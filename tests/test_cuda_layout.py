@@ -42,7 +42,7 @@ def test_layout_kernel_matches_xla(kind, num_tokens, topk, num_experts, num_rank
 
     device = gpu_devices()[0]
     idx = jax.device_put(_routing(kind, num_tokens, topk, num_experts, seed=num_tokens), device)
-    cuda = jax.jit(lambda i: _cuda.routing_layout(i, num_experts, num_ranks))(idx)
+    cuda = jax.jit(lambda i: _cuda.local_layout(i, num_experts, num_ranks))(idx)
     xla = jax.jit(lambda i: local_layout(i, num_experts, num_ranks))(idx)
     for name, got, want in zip(xla._fields, cuda, xla, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
@@ -59,7 +59,7 @@ def test_layout_kernel_inside_shard_map():
     idx = _routing("messy", 2 * 300, 4, 16, seed=7)
 
     def both(i):
-        cuda = _cuda.routing_layout(i, 16, 2)
+        cuda = _cuda.local_layout(i, 16, 2)
         xla = local_layout(i, 16, 2)
         return tuple(jnp.reshape(a, (1, -1)) for a in (*cuda, *xla))
 
