@@ -66,17 +66,18 @@ def main() -> None:
         for backend in ("cuda", "xla"):
 
             def dispatch(x, idx, w, backend=backend):
-                return jax_ep.dispatch(x, idx, w, num_experts=e, axis_name="ep", backend=backend)
+                d = jax_ep.dispatch(x, idx, w, num_experts=e, axis_name="ep", backend=backend)
+                return d.x, d.weights, d.handle
 
             run_dispatch = jax.jit(jax.shard_map(dispatch, in_specs=P("ep"), out_specs=P("ep")))
-            d = run_dispatch(x, idx, w)
+            layout_x, layout_weights, handle = run_dispatch(x, idx, w)
 
             def combine(y, handle, weights):
                 return jax_ep.combine(y, handle, weights=weights)
 
             run_combine = jax.jit(jax.shard_map(combine, in_specs=P("ep"), out_specs=P("ep")))
             dispatch_s = seconds_per_call(run_dispatch, x, idx, w, iters=args.iters)
-            combine_s = seconds_per_call(run_combine, d.x, d.handle, d.weights, iters=args.iters)
+            combine_s = seconds_per_call(run_combine, layout_x, handle, layout_weights, iters=args.iters)
             results[backend] = {"dispatch_us": dispatch_s * 1e6, "combine_us": combine_s * 1e6}
             print(backend, results[backend], flush=True)
 
