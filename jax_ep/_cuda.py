@@ -75,10 +75,11 @@ def buffer_size_hint(
 ) -> int:
     """Bytes of receive buffer per GPU that dispatch and combine of these shapes need.
 
-    ``dtype`` is the widest dtype that is dispatched or combined (``x``, ``y``
-    and their cotangents).
+    ``dtype`` is the widest dtype that is dispatched (``x`` and the combine
+    cotangent); combine sends float32 partial sums, so rows are at least
+    ``4 * hidden`` bytes.
     """
-    itemsize = max(jnp.dtype(dtype).itemsize, 2)
+    itemsize = max(jnp.dtype(dtype).itemsize, 4)
     row_bytes = max(hidden * itemsize, 2 * topk * 4)
     return num_ranks * max(num_tokens * row_bytes, num_experts * 4)
 

@@ -108,9 +108,9 @@ def to_experts(handle: Handle, x: jax.Array) -> jax.Array:
 def to_tokens(handle: Handle, y: jax.Array, weights: jax.Array | None) -> jax.Array:
     """Weighted sum of layout rows ``y [N, H]`` back onto tokens: ``[T, H]``, dtype of ``y``.
 
-    Each rank first sums a token's slots in float32 (in k order), sends that
-    partial sum once, rounded to ``y.dtype``, and the source adds the ranks'
-    partial sums in float32.
+    Each rank first sums a token's slots in float32 (in k order) and sends that
+    float32 partial sum once; the source adds the ranks' partial sums in float32
+    and rounds once to ``y.dtype``.
     """
     config = handle.config
     recv_rows = handle.recv_rows.reshape(config.num_ranks * config.num_tokens, config.topk)
@@ -121,12 +121,12 @@ def to_tokens(handle: Handle, y: jax.Array, weights: jax.Array | None) -> jax.Ar
         if weights is not None:
             term = term * _take(weights, rows_k).astype(jnp.float32)[:, None]
         partial = partial + term
-    partial = partial.astype(y.dtype).reshape(config.num_ranks, config.num_tokens, -1)
+    partial = partial.reshape(config.num_ranks, config.num_tokens, -1)
     # [R, T, H]: row i from rank d belongs to the token with token_dest_pos[:, d] == i
     back, _ = _exchange(partial, handle.recv_counts, config)
     pos = handle.token_dest_pos
     gathered = back[jnp.arange(config.num_ranks)[None, :], jnp.maximum(pos, 0)]  # [T, R, H]
-    gathered = jnp.where((pos >= 0)[..., None], gathered.astype(jnp.float32), 0.0)
+    gathered = jnp.where((pos >= 0)[..., None], gathered, 0.0)
     return jnp.sum(gathered, axis=1).astype(y.dtype)
 
 
