@@ -1,0 +1,279 @@
+"""A Flax NNX mixture-of-experts layer whose experts are spread over a mesh axis with jax_ep.
+
+Needs flax (``pip install "jax_ep[nn]"``); ``import jax_ep`` does not import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ._api import combine, dispatch
+from ._types import LAYOUTS
+from ._validate import check_choice, check_positive_int
+
+ROUTERS = ("softmax", "sigmoid")
+
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class MoEOutput(NamedTuple):
+    """What :class:`MoE` returns (N tokens, H hidden size).
+
+    * ``out``: ``[..., H]``, shape and dtype of the layer's input.
+    * ``aux_loss``: float32 scalar, the load-balancing loss of this call (add
+      it to the training loss with a small coefficient, e.g. 0.01).
+    * ``num_dropped``: int32 scalar, routing slots of this call that did not
+      fit in ``capacity``, summed over all ranks; 0 with ``capacity=None``.
+    """
+
+    out: jax.Array
+    aux_loss: jax.Array
+    num_dropped: jax.Array
+
+
+def _mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
+    """``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated) or ``act(x @ w_in) @ w_out``, in the dtype of ``x``."""
+    w = {name: value.astype(x.dtype) for name, value in weights.items()}
+    if "w_gate" in w:
+        hidden = activation(matmul(x, w["w_gate"])) * matmul(x, w["w_in"])
+    else:
+        hidden = activation(matmul(x, w["w_in"]))
+    return matmul(hidden, w["w_out"])
+
+
+class MLP(nnx.Module):
+    """The weights of one MLP, or of ``num_experts`` stacked MLPs sharded over the EP axis.
+
+    Parameters (E = ``num_experts``, leading dimension absent when it is None;
+    H = ``hidden``, F = ``intermediate``; dtype ``param_dtype``):
+
+    * ``w_in``: ``[E, H, F]``, the up projection.
+    * ``w_gate``: ``[E, H, F]``, the gate projection; None unless ``gated``.
+    * ``w_out``: ``[E, F, H]``, the down projection.
+
+    Stacked weights are annotated ``(axis_name, None, None)`` so that, created
+    under ``mesh``, each rank of the EP axis holds only its local experts.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        gated: bool,
+        mesh: jax.sharding.Mesh,
+        axis_name: Hashable,
+        num_experts: int | None = None,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        lead, spec = ((), ()) if num_experts is None else ((num_experts,), (axis_name,))
+        init = nnx.with_partitioning(
+            nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=tuple(range(len(lead)))),
+            (*spec, None, None),
+            mesh=mesh,
+        )
+
+        def param(rows: int, cols: int) -> nnx.Param:
+            return nnx.Param(init(rngs.params(), (*lead, rows, cols), param_dtype))
+
+        self.w_in = param(hidden, intermediate)
+        self.w_gate = param(hidden, intermediate) if gated else None
+        self.w_out = param(intermediate, hidden)
+
+    def weights(self) -> dict[str, jax.Array]:
+        """The parameter arrays by name (``w_gate`` only when gated)."""
+        names = ("w_in", "w_gate", "w_out") if self.w_gate is not None else ("w_in", "w_out")
+        return {name: getattr(self, name)[...] for name in names}
+
+
+class MoE(nnx.Module):
+    """Top-k routed mixture of experts, expert-parallel over one mesh axis.
+
+    Tokens are sharded over ``(*data_axes, axis_name)``; each rank of the EP
+    axis ``axis_name`` (R ranks) holds ``num_experts // R`` experts. A call
+    runs the router, :func:`jax_ep.dispatch`, the experts and
+    :func:`jax_ep.combine` inside ``jax.shard_map`` over ``mesh``, so it works
+    under ``jax.jit``, ``jax.grad`` and ``nnx`` transforms, and gradients reach
+    the router, the experts and the input.
+
+    Router (logits ``x @ router_kernel`` in float32):
+
+    * ``"softmax"``: ``p = softmax(logits)``; the top-k of ``p`` are the
+      experts, their probabilities the weights (not renormalized).
+    * ``"sigmoid"``: ``s = sigmoid(logits)``; the top-k of ``s`` are the
+      experts, the weights are those scores divided by their sum;
+      ``p = s / sum(s)`` for the auxiliary loss.
+
+    The auxiliary loss is Switch-style, ``E * sum_e f_e * P_e``, with ``f_e``
+    the share of the ``N * K`` routing slots that chose expert ``e`` and
+    ``P_e`` the mean of ``p[:, e]`` over the ``N`` tokens of the call; it is 1
+    for perfectly even routing. Only ``P_e`` carries gradient.
+
+    Experts are :class:`MLP` s. Expert matmuls run in the dtype of the input
+    (``jax.lax.ragged_dot`` on the ``"ragged"`` layout, a batched ``einsum``
+    on the ``"expert"`` layout); the router runs in float32.
+
+    Parameters:
+
+    * ``router_kernel``: ``[H, E]`` float32, replicated.
+    * ``experts``: :class:`MLP` with ``[E, H, F]`` / ``[E, F, H]`` weights of
+      ``param_dtype``, sharded over ``axis_name``.
+    * ``shared``: :class:`MLP` with ``[H, S]`` / ``[S, H]`` weights, applied to
+      every token and added to the output; None unless
+      ``shared_intermediate`` is given.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        num_experts: int,
+        topk: int,
+        mesh: jax.sharding.Mesh,
+        axis_name: Hashable = "ep",
+        data_axes: Sequence[Hashable] = (),
+        router: str = "softmax",
+        gated: bool = True,
+        activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+        shared_intermediate: int | None = None,
+        layout: str = "ragged",
+        capacity: int | None = None,
+        expert_alignment: int = 1,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        """Create the layer's parameters, sharded over ``mesh``.
+
+        Args:
+          hidden: H, the model width.
+          intermediate: F, the hidden width of each expert.
+          num_experts: E, a multiple of the size of ``axis_name``.
+          topk: K, experts per token, in ``[1, E]``.
+          mesh: the device mesh; its axes should be ``AxisType.Auto``.
+          axis_name: the EP mesh axis (R ranks).
+          data_axes: other mesh axes the token batch is sharded over (data
+            parallelism); experts are replicated over them.
+          router: ``"softmax"`` or ``"sigmoid"``, see the class docstring.
+          gated: SwiGLU-style gated experts if True, plain MLPs otherwise.
+          activation: the experts' activation function.
+          shared_intermediate: S, hidden width of a shared expert applied to
+            every token; None for none.
+          layout: ``"ragged"`` or ``"expert"``, the :func:`jax_ep.dispatch`
+            layout the experts compute on.
+          capacity: passed to :func:`jax_ep.dispatch`, per rank; None never
+            drops.
+          expert_alignment: passed to :func:`jax_ep.dispatch`.
+          param_dtype: dtype of the expert weights.
+          rngs: ``nnx.Rngs`` with a ``params`` stream.
+        """
+        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts)):
+            check_positive_int(name, value)
+        check_choice("router", router, ROUTERS)
+        check_choice("layout", layout, LAYOUTS)
+        if axis_name not in mesh.shape:
+            raise ValueError(f"jax_ep.nn.MoE: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+        if num_experts % mesh.shape[axis_name]:
+            raise ValueError(
+                f"jax_ep.nn.MoE: num_experts must be a multiple of mesh axis {axis_name!r} of size "
+                f"{mesh.shape[axis_name]}, got {num_experts}"
+            )
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"jax_ep.nn.MoE: topk must be in [1, num_experts={num_experts}], got {topk}")
+        self.num_experts = num_experts
+        self.topk = topk
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.token_axes = (*data_axes, axis_name)
+        self.router = router
+        self.activation = activation
+        self.layout = layout
+        self.capacity = capacity
+        self.expert_alignment = expert_alignment
+        self.router_kernel = nnx.Param(
+            nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None), mesh=mesh)(
+                rngs.params(), (hidden, num_experts), jnp.float32
+            )
+        )
+        mlp = dict(gated=gated, mesh=mesh, axis_name=axis_name, param_dtype=param_dtype, rngs=rngs)
+        self.experts = MLP(hidden, intermediate, num_experts=num_experts, **mlp)
+        self.shared = None if shared_intermediate is None else MLP(hidden, shared_intermediate, **mlp)
+
+    def __call__(self, x: jax.Array) -> MoEOutput:
+        """Apply the layer to ``x [..., H]`` (any floating dtype).
+
+        The ``N`` tokens (the product of the leading dimensions) are split
+        over the ``(*data_axes, axis_name)`` mesh axes, so ``N`` must be a
+        multiple of their total size.
+
+        Returns:
+          :class:`MoEOutput`: ``out [..., H]`` in the dtype of ``x``, the
+          float32 ``aux_loss`` and the int32 ``num_dropped``.
+        """
+        with jax.named_scope("jax_ep.MoE"):
+            tokens = x.reshape(-1, x.shape[-1])
+            shards = math.prod(self.mesh.shape[name] for name in self.token_axes)
+            if tokens.shape[0] % shards:
+                raise ValueError(
+                    f"jax_ep.nn.MoE: the number of tokens must be a multiple of {shards}, the size of mesh axes "
+                    f"{self.token_axes}; got input shape {tuple(x.shape)} ({tokens.shape[0]} tokens)"
+                )
+            params = {"router": self.router_kernel[...], "experts": self.experts.weights()}
+            specs = {"router": P(), "experts": P(self.axis_name)}
+            if self.shared is not None:
+                params["shared"] = self.shared.weights()
+                specs["shared"] = P()
+            token_spec = P(self.token_axes)
+            out, aux_loss, num_dropped = jax.shard_map(
+                functools.partial(self._local, num_tokens=tokens.shape[0]),
+                mesh=self.mesh,
+                in_specs=(token_spec, specs),
+                out_specs=(token_spec, P(), P()),
+            )(tokens, params)
+            return MoEOutput(out.reshape(x.shape), aux_loss, num_dropped)
+
+    def _local(
+        self, x: jax.Array, params: dict[str, Any], *, num_tokens: int
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One rank's ``x [T, H]`` of all ``num_tokens`` -> ``out [T, H]``, ``aux_loss []``, ``num_dropped []``."""
+        logits = x.astype(jnp.float32) @ params["router"]  # [T, E]
+        if self.router == "softmax":
+            probs = jax.nn.softmax(logits, axis=-1)
+            topk_weights, topk_idx = jax.lax.top_k(probs, self.topk)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
+            topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        d = dispatch(
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts=self.num_experts,
+            axis_name=self.axis_name,
+            layout=self.layout,
+            capacity=self.capacity,
+            expert_alignment=self.expert_alignment,
+        )
+        if self.layout == "ragged":
+            matmul = functools.partial(jax.lax.ragged_dot, group_sizes=d.group_sizes)
+        else:
+            matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
+        y = _mlp(d.x, params["experts"], matmul, self.activation)
+        out = combine(y, d.handle, weights=d.weights)
+        if "shared" in params:
+            out = out + _mlp(x, params["shared"], jnp.matmul, self.activation)
+
+        slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
+        slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), d.num_dropped), self.token_axes)
+        aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
+        return out, aux_loss, num_dropped

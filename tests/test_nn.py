@@ -1,0 +1,131 @@
+"""jax_ep.nn.MoE against a dense single-device MoE with the same parameters."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import cpu_mesh
+
+nnx = pytest.importorskip("flax.nnx")
+from jax_ep.nn import MoE  # noqa: E402
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 16, 24, 8, 2
+
+
+def dense_moe(params: dict, x: jax.Array, *, router: str, topk: int) -> tuple[jax.Array, jax.Array]:
+    """Every expert on every token, then the top-k picked per token: ``out [N, H]`` and the aux loss."""
+    logits = x @ params["router_kernel"]
+    if router == "softmax":
+        probs = jax.nn.softmax(logits)
+        weights, idx = jax.lax.top_k(probs, topk)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        weights, idx = jax.lax.top_k(scores, topk)
+        weights = weights / weights.sum(-1, keepdims=True)
+        probs = scores / scores.sum(-1, keepdims=True)
+
+    def mlp(w: dict) -> jax.Array:
+        """Stacked MLPs ``[E, H, F]`` / ``[E, F, H]`` on every token: ``[E, N, H]``."""
+        up = jnp.einsum("nh,ehf->enf", x, w["w_in"])
+        hidden = jax.nn.silu(jnp.einsum("nh,ehf->enf", x, w["w_gate"])) * up if "w_gate" in w else jax.nn.silu(up)
+        return jnp.einsum("enf,efh->enh", hidden, w["w_out"])
+
+    every = mlp(params["experts"])
+    out = jnp.einsum("nk,nkh->nh", weights, every[idx, jnp.arange(x.shape[0])[:, None]])
+    if "shared" in params:
+        out = out + mlp(jax.tree.map(lambda w: w[None], params["shared"]))[0]
+    chosen = jax.nn.one_hot(idx, EXPERTS).sum(1)  # [N, E]
+    aux = EXPERTS * jnp.sum(chosen.mean(0) / topk * probs.mean(0))
+    return out, aux
+
+
+def make_moe(shape: tuple[int, ...], **kwargs) -> MoE:
+    """A small MoE on a CPU mesh ``("ep",)`` or ``("data", "ep")``; call under ``jax.set_mesh(model.mesh)``."""
+    names = ("data", "ep")[-len(shape) :]
+    mesh = cpu_mesh(shape, names)
+    return MoE(
+        HIDDEN,
+        INTERMEDIATE,
+        num_experts=EXPERTS,
+        topk=TOPK,
+        mesh=mesh,
+        axis_name="ep",
+        data_axes=names[:-1],
+        rngs=nnx.Rngs(0),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "layout, shared, router, gated, shape",
+    [
+        ("ragged", None, "softmax", True, (8,)),
+        ("ragged", 8, "sigmoid", False, (2, 4)),
+        ("expert", None, "sigmoid", True, (2, 4)),
+        ("expert", 8, "softmax", False, (8,)),
+    ],
+)
+def test_matches_dense(layout, shared, router, gated, shape):
+    x = jax.random.normal(jax.random.key(1), (4, 8, HIDDEN))
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    model = make_moe(shape, layout=layout, shared_intermediate=shared, router=router, gated=gated)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+        result = nnx.merge(graphdef, state)(x)
+        return jnp.sum(result.out * cotangent) + result.aux_loss, result
+
+    with jax.set_mesh(model.mesh):
+        (_, result), (dstate, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
+
+    def dense_loss(params, x):
+        out, aux = dense_moe(params, x.reshape(-1, HIDDEN), router=router, topk=TOPK)
+        return jnp.sum(out.reshape(x.shape) * cotangent) + aux, (out, aux)
+
+    params = jax.device_put(nnx.to_pure_dict(state), jax.devices("cpu")[0])
+    (_, (out, aux)), (dparams, dx_dense) = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
+
+    assert result.out.shape == x.shape and result.out.dtype == x.dtype
+    np.testing.assert_allclose(result.out.reshape(-1, HIDDEN), out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.aux_loss, aux, rtol=1e-5)
+    assert result.num_dropped == 0
+    np.testing.assert_allclose(dx, dx_dense, rtol=1e-5, atol=1e-5)
+
+    def check(path, got, want):
+        assert jnp.any(got != 0), path
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(path))
+
+    jax.tree_util.tree_map_with_path(check, nnx.to_pure_dict(dstate), dparams)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_num_dropped(layout):
+    capacity = 3
+    model = make_moe((8,), layout=layout, capacity=capacity)
+    x = jax.random.normal(jax.random.key(3), (64, HIDDEN))
+    with jax.set_mesh(model.mesh):
+        dropped = nnx.jit(lambda model, x: model(x).num_dropped)(model, x)
+    idx = jax.lax.top_k(x @ model.router_kernel[...], TOPK)[1]
+    per_expert = jnp.sum(jax.nn.one_hot(idx, EXPERTS), axis=(0, 1))  # one expert per rank
+    assert dropped == jnp.sum(jnp.maximum(per_expert - capacity, 0))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_experts must be a multiple"):
+        MoE(HIDDEN, INTERMEDIATE, num_experts=6, topk=2, mesh=cpu_mesh((8,), ("ep",)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="router"):
+        make_moe((8,), router="relu")
+    model = make_moe((8,))
+    with pytest.raises(ValueError, match="multiple of 8"), jax.set_mesh(model.mesh):
+        model(jnp.zeros((12, HIDDEN)))
+
+
+def test_jax_ep_does_not_import_flax():
+    code = "import sys, jax_ep; assert 'flax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
