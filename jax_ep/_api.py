@@ -76,11 +76,11 @@ def dispatch(
     num_tokens, hidden = x.shape
     check_array("topk_idx", topk_idx, ndim=2, dtype=jnp.int32, leading=(num_tokens,))
     check_array("topk_weights", topk_weights, shape=topk_idx.shape, dtype=jnp.float32)
-    check_positive_int("num_experts", num_experts)
-    check_positive_int("expert_alignment", expert_alignment)
+    num_experts = check_positive_int("num_experts", num_experts)
+    expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
     if capacity is not None:
-        check_positive_int("capacity", capacity)
+        capacity = check_positive_int("capacity", capacity)
     num_ranks = _axis_size(axis_name)
     if num_experts % num_ranks:
         raise ValueError(
@@ -175,9 +175,11 @@ def _combine_bwd(residuals, cotangent):
     rows_ct = rows_ct.reshape(y.shape)
     if weights is None:
         return rows_ct.astype(y.dtype), None, None
-    dy = (rows_ct * weights.astype(jnp.float32)[..., None]).astype(y.dtype)
-    dweights = jnp.sum(rows_ct * y.astype(jnp.float32), axis=-1).astype(weights.dtype)
-    return dy, None, dweights
+    # Padding rows get exactly 0, even where y or weights hold NaN or inf there.
+    held = (handle.row_slot >= 0).reshape(weights.shape)
+    dy = jnp.where(held[..., None], rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
+    dweights = jnp.sum(rows_ct * jnp.where(held[..., None], y.astype(jnp.float32), 0.0), axis=-1)
+    return dy, None, dweights.astype(weights.dtype)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 
-def check_positive_int(name: str, value: Any) -> None:
-    """``value`` is a Python int (not bool) >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"jax_ep: {name} must be a Python int, got {value!r} of type {type(value).__name__}")
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` is an integer (Python or NumPy, not bool) >= 1; returns it as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"jax_ep: {name} must be an int, got {value!r} of type {type(value).__name__}")
     if value < 1:
         raise ValueError(f"jax_ep: {name} must be a positive int, got {value}")
+    return int(value)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:

@@ -1,0 +1,122 @@
+"""Run jax_ep per rank inside ``jax.shard_map`` over an "ep" axis, and make test routings.
+
+Arrays given to and returned by :func:`ep_jit` functions are stacked over ranks
+(leading axis ``R``); the function body sees one rank's slice, without that axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from conftest import cpu_mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+AXIS = "ep"
+INVALID_IDS = (-7, -2, 2**31 - 1, -(2**31))  # never -1 nor a valid id
+
+
+def ep_jit(fn: Callable[..., Any], num_ranks: int) -> Callable[..., Any]:
+    """``fn`` run on each rank of an "ep" axis of ``num_ranks`` CPU devices, jitted once.
+
+    Every argument leaf (arguments may be pytrees, such as a Dispatched) and every output leaf has a
+    leading rank axis (per-rank scalars come back as ``[R]``). The returned callable can be traced
+    again (``jax.grad``, ``check_grads``).
+    """
+    mesh = cpu_mesh((num_ranks,), (AXIS,))
+
+    def body(*args):
+        out = fn(*jax.tree.map(lambda a: a[0], args))
+        return jax.tree.map(lambda v: v[None], out)
+
+    # The mesh is given to shard_map rather than set with jax.set_mesh, which cannot be entered under a
+    # trace (check_grads traces the callable); test_shard_map.py covers the jax.set_mesh form.
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def to_numpy(tree: Any) -> Any:
+    """Every leaf as a NumPy array."""
+    return jax.tree.map(np.asarray, tree)
+
+
+def run_dispatch(x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, **kwargs: Any) -> jax_ep.Dispatched:
+    """``jax_ep.dispatch`` on ``R = x.shape[0]`` ranks; a Dispatched of NumPy arrays stacked over ranks."""
+    num_ranks = x.shape[0]
+    call = ep_jit(lambda a, b, c: jax_ep.dispatch(a, b, c, axis_name=AXIS, **kwargs), num_ranks)
+    return to_numpy(call(x, topk_idx, topk_weights))
+
+
+def random_inputs(
+    rng: np.random.Generator, num_ranks: int, num_tokens: int, hidden: int, topk: int, dtype: Any = np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``[R, T, H]`` (no zeros, so padding shows) and weights ``[R, T, K]`` in [0.25, 1.25)."""
+    x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    x = np.where(np.abs(x) < 0.05, 0.5, x).astype(dtype)
+    weights = (rng.random((num_ranks, num_tokens, topk)) + 0.25).astype(np.float32)
+    return x, weights
+
+
+def routing(
+    rng: np.random.Generator, kind: str, num_ranks: int, num_tokens: int, topk: int, num_experts: int
+) -> np.ndarray:
+    """``topk_idx [R, T, K]`` int32 of one kind.
+
+    * ``distinct``: distinct valid ids per token and a few -1 (nothing dropped at the default capacity).
+    * ``random``: ids in [-1, E) with repeats within a row and -1 slots.
+    * ``invalid``: ``random`` plus invalid ids (``INVALID_IDS`` and E, E + 5).
+    * ``skewed``: every token picks the same experts, one of them twice (and -1 in slot 3 when K > 3).
+    """
+    shape = (num_ranks, num_tokens, topk)
+    if kind == "distinct":
+        ids = np.stack([rng.permutation(num_experts)[:topk] for _ in range(num_ranks * num_tokens)])
+        ids = ids.reshape(shape)
+        ids[:, 1, 0] = -1
+        return ids.astype(np.int32)
+    if kind in ("random", "invalid"):
+        ids = rng.integers(-1, num_experts, shape)
+        ids[:, 0, :] = num_experts - 1  # a row with the same expert K times
+        ids[:, 1, -1] = -1
+        if kind == "invalid":
+            bad = np.array([*INVALID_IDS, num_experts, num_experts + 5])
+            mask = rng.random(shape) < 0.25
+            ids = np.where(mask, rng.choice(bad, shape), ids)
+        return ids.astype(np.int32)
+    if kind == "skewed":
+        row = [num_experts - 1, 0, num_experts - 1, -1][:topk]
+        return np.broadcast_to(np.array(row + [1] * (topk - len(row))), shape).astype(np.int32).copy()
+    raise ValueError(kind)
+
+
+def assert_bits_equal(actual: np.ndarray, expected: np.ndarray, err_msg: str = "") -> None:
+    """Same shape, same dtype and the same bits (so -0.0 differs from 0.0, and NaNs are compared)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype, f"{err_msg}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{err_msg}: shape {actual.shape} != {expected.shape}"
+    as_uint = np.dtype(f"uint{8 * actual.dtype.itemsize}")
+    np.testing.assert_array_equal(actual.view(as_uint), expected.view(as_uint), err_msg=err_msg)
+    np.testing.assert_array_equal(actual, expected, err_msg=err_msg)
+
+
+def assert_dispatch_equal(got: jax_ep.Dispatched, want: Any) -> None:
+    """Every Dispatched field of ``got`` (stacked over ranks) equals the reference, bit for bit."""
+    for field in ("x", "weights", "group_sizes", "num_dropped", "num_invalid"):
+        assert_bits_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, eps: float, err_msg: str = "") -> None:
+    """``|got - want| <= eps * magnitude + tiny`` elementwise.
+
+    ``want`` is an exact (float64) sum and ``magnitude`` the same sum over absolute values of the
+    terms, so ``eps`` bounds the relative rounding error of a sum independently of cancellation.
+    """
+    got64 = np.asarray(got).astype(np.float64)
+    bound = eps * np.asarray(magnitude) + 1e-30
+    excess = np.abs(got64 - want) - bound
+    worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.size else ()
+    assert np.all(excess <= 0), (
+        f"{err_msg}: worst at {worst}: got {got64[worst]}, want {want[worst]}, allowed error {bound[worst]}"
+    )

@@ -1,0 +1,235 @@
+"""dispatch moves data, so every field is compared bit for bit with the NumPy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+from conftest import cpu_mesh
+from helpers import (
+    AXIS,
+    INVALID_IDS,
+    assert_bits_equal,
+    assert_dispatch_equal,
+    ep_jit,
+    random_inputs,
+    routing,
+    run_dispatch,
+)
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+T, H, K, E = 8, 4, 3, 8
+
+# (routing kind, capacity, expert_alignment, dtype of x)
+CASES = [
+    pytest.param("distinct", None, 1, jnp.float32, id="distinct-f32"),
+    pytest.param("invalid", None, 3, jnp.bfloat16, id="invalid-align3-bf16"),
+    pytest.param("skewed", 5, 8, jnp.float32, id="skewed-cap5-align8-f32"),
+    pytest.param("invalid", 2, 3, jnp.bfloat16, id="invalid-cap2-align3-bf16"),
+]
+
+
+def _check_padding(d: jax_ep.Dispatched, layout: str) -> None:
+    """Rows that hold no slot are zero with weight 0 (checked without the reference)."""
+    for rank in range(d.x.shape[0]):
+        sizes = d.group_sizes[rank]
+        if layout == "ragged":
+            used = int(sizes.sum())
+            assert used <= d.x.shape[1]
+            assert not np.any(d.x[rank, used:].astype(np.float32))
+            assert not np.any(d.weights[rank, used:])
+        else:
+            for j, size in enumerate(sizes):
+                assert not np.any(d.x[rank, j, size:].astype(np.float32))
+                assert not np.any(d.weights[rank, j, size:])
+                # Kept rows hold real tokens (the inputs have no zeros).
+                assert np.all(d.weights[rank, j, :size] > 0)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize(("kind", "capacity", "alignment", "dtype"), CASES)
+def test_dispatch_matches_reference(num_ranks, layout, kind, capacity, alignment, dtype):
+    rng = np.random.default_rng([num_ranks, len(kind), capacity or 0, alignment, len(layout)])
+    x, weights = random_inputs(rng, num_ranks, T, H, K, dtype)
+    idx = routing(rng, kind, num_ranks, T, K, E)
+    kwargs = dict(num_experts=E, layout=layout, capacity=capacity, expert_alignment=alignment)
+
+    got = run_dispatch(x, idx, weights, **kwargs)
+    want = reference.dispatch(x, idx, weights, **kwargs)
+    assert_dispatch_equal(got, want)
+
+    local = E // num_ranks
+    cap = want.capacity
+    if capacity is None:
+        cap_formula = num_ranks * T * min(K, local) + local * (alignment - 1) if layout == "ragged" else num_ranks * T
+        assert cap == cap_formula
+        public = jax_ep.default_capacity(
+            num_ranks=num_ranks, num_tokens=T, topk=K, num_experts=E, layout=layout, expert_alignment=alignment
+        )
+        assert public == cap_formula
+    shape = (num_ranks, cap, H) if layout == "ragged" else (num_ranks, local, cap, H)
+    assert got.x.shape == shape and got.x.dtype == dtype
+    assert got.weights.shape == shape[:-1] and got.weights.dtype == np.float32
+    assert got.group_sizes.shape == (num_ranks, local) and got.group_sizes.dtype == np.int32
+    assert got.num_dropped.dtype == np.int32 and got.num_invalid.dtype == np.int32
+    _check_padding(got, layout)
+    if layout == "ragged":
+        untruncated = got.group_sizes.sum(axis=1) < cap
+        assert np.all(got.group_sizes[untruncated] % alignment == 0)
+
+    expected_invalid = np.sum((idx != -1) & ((idx < 0) | (idx >= E)), axis=(1, 2))
+    np.testing.assert_array_equal(got.num_invalid, expected_invalid)
+    if kind == "invalid":
+        assert got.num_invalid.sum() > 0
+    if kind == "distinct":
+        np.testing.assert_array_equal(got.num_dropped, 0)  # capacity=None never drops distinct ids
+    if capacity is not None:
+        assert got.num_dropped.sum() > 0
+    # Every valid slot is either delivered or counted as dropped.
+    valid = (idx >= 0) & (idx < E)
+    delivered = got.group_sizes.sum() if layout == "expert" else np.count_nonzero(got.weights)
+    assert delivered + got.num_dropped.sum() == valid.sum()
+
+
+def _golden_inputs():
+    """Two ranks, two tokens each, K=2, E=4 (L=2); tokens a0, a1 on rank 0 and b0, b1 on rank 1."""
+    x = np.array([[[1.0, 1.5], [2.0, 2.5]], [[3.0, 3.5], [4.0, 4.5]]], np.float32)
+    idx = np.array([[[2, 0], [-1, 2]], [[3, 2], [0, 0]]], np.int32)
+    weights = np.array([[[0.1, 0.2], [0.3, 0.4]], [[0.5, 0.6], [0.7, 0.8]]], np.float32)
+    return x, idx, weights
+
+
+# Hand-written expectations: (layout, alignment, capacity) -> per rank (rows as (r, t, k) or None, group_sizes,
+# num_dropped). Expert 0 gets a0 (0,0,1), b1 (1,1,0), b1 (1,1,1); expert 1 nothing; expert 2 gets a0 (0,0,0),
+# a1 (0,1,1), b0 (1,0,1); expert 3 gets b0 (1,0,0).
+GOLDEN = {
+    ("ragged", 1, None): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1)] + [None] * 5, [3, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 0, 0)] + [None] * 4, [3, 1], 0),
+    ],
+    ("ragged", 2, None): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1)] + [None] * 7, [4, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0)] + [None] * 5, [4, 2], 0),
+    ],
+    ("ragged", 2, 5): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None, None], [4, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0)], [4, 1], 0),
+    ],
+    ("ragged", 2, 4): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None], [4, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None], [4, 0], 1),
+    ],
+    ("expert", 1, None): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None] + [None] * 4, [3, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0), None, None, None], [3, 1], 0),
+    ],
+    ("expert", 1, 2): [
+        ([(0, 0, 1), (1, 1, 0), None, None], [2, 0], 1),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 0), None], [2, 1], 1),
+    ],
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN), ids=str)
+def test_dispatch_golden(key):
+    """A hand-worked example: order by source rank, then token, then k; padding; truncation."""
+    layout, alignment, capacity = key
+    x, idx, weights = _golden_inputs()
+    got = run_dispatch(x, idx, weights, num_experts=4, layout=layout, capacity=capacity, expert_alignment=alignment)
+    for rank, (rows, sizes, dropped) in enumerate(GOLDEN[key]):
+        want_x = np.stack([np.zeros(2, np.float32) if s is None else x[s[0], s[1]] for s in rows])
+        want_w = np.array([0.0 if s is None else weights[s] for s in rows], np.float32)
+        assert_bits_equal(got.x[rank].reshape(-1, 2), want_x, err_msg=f"x of rank {rank}")
+        assert_bits_equal(got.weights[rank].reshape(-1), want_w, err_msg=f"weights of rank {rank}")
+        np.testing.assert_array_equal(got.group_sizes[rank], sizes)
+        assert got.num_dropped[rank] == dropped
+        assert got.num_invalid[rank] == 0
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_only_unused_and_invalid_slots(layout):
+    """Ids that are -1 or out of range deliver nothing, write nothing and are counted; no crash."""
+    num_ranks = 2
+    rng = np.random.default_rng(7)
+    x, weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = rng.choice(np.array([-1, *INVALID_IDS, E, E + 5], np.int64), (num_ranks, T, K)).astype(np.int32)
+    idx[0, 0] = [E, -(2**31), 2**31 - 1]
+    got = run_dispatch(x, idx, weights, num_experts=E, layout=layout, expert_alignment=3)
+    assert_dispatch_equal(got, reference.dispatch(x, idx, weights, num_experts=E, layout=layout, expert_alignment=3))
+    assert not np.any(got.x) and not np.any(got.weights)
+    np.testing.assert_array_equal(got.group_sizes, 0)
+    np.testing.assert_array_equal(got.num_dropped, 0)
+    np.testing.assert_array_equal(got.num_invalid, np.sum(idx != -1, axis=(1, 2)))
+    assert got.num_invalid.sum() > 0
+
+
+def test_auto_backend_equals_xla():
+    """backend="auto" on CPU is the xla backend: the same outputs bit for bit."""
+    num_ranks = 4
+    rng = np.random.default_rng(3)
+    x, weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = routing(rng, "invalid", num_ranks, T, K, E)
+
+    def both(x, idx, weights):
+        kw = dict(num_experts=E, axis_name=AXIS, expert_alignment=3, capacity=9)
+        return jax_ep.dispatch(x, idx, weights, backend="auto", **kw), jax_ep.dispatch(x, idx, weights, **kw)
+
+    auto, xla = jax.tree.map(np.asarray, ep_jit(both, num_ranks)(x, idx, weights))
+    assert_dispatch_equal(auto, xla)
+    assert_dispatch_equal(auto, reference.dispatch(x, idx, weights, num_experts=E, capacity=9, expert_alignment=3))
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_dispatched_is_a_pytree_of_arrays(layout):
+    """Dispatched and its handle flatten to arrays only and rebuild from their leaves."""
+    num_ranks = 2
+    seen = []
+
+    def body(x, idx, weights):
+        d = jax_ep.dispatch(x, idx, weights, num_experts=E, axis_name=AXIS, layout=layout)
+        leaves, treedef = jax.tree.flatten(d)
+        rebuilt = jax.tree.unflatten(treedef, leaves)
+        assert isinstance(rebuilt, jax_ep.Dispatched) and isinstance(rebuilt.handle, jax_ep.Handle)
+        assert rebuilt.handle.config == d.handle.config
+        seen.append((leaves, jax.tree.leaves(d.handle)))
+        return d.x
+
+    args = (
+        jax.ShapeDtypeStruct((num_ranks * T, H), jnp.float32),
+        jax.ShapeDtypeStruct((num_ranks * T, K), jnp.int32),
+        jax.ShapeDtypeStruct((num_ranks * T, K), jnp.float32),
+    )
+    with jax.set_mesh(cpu_mesh((num_ranks,), (AXIS,))):
+        jax.eval_shape(jax.shard_map(body, in_specs=P(AXIS), out_specs=P(AXIS)), *args)
+    leaves, handle_leaves = seen[0]
+    assert handle_leaves, "the handle must carry its routing as arrays"
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    assert len(leaves) == 5 + len(handle_leaves)  # x, weights, group_sizes, num_dropped, num_invalid + the handle
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_undelivered_values_are_never_read(layout):
+    """NaN/inf in the weights of unused, invalid and dropped slots, and in tokens with no valid slot, go nowhere."""
+    num_ranks = 4
+    rng = np.random.default_rng(21)
+    x, weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = routing(rng, "invalid", num_ranks, T, K, E)
+    idx[:, 2] = [-1, E + 5, -7]  # token 2 of every rank has no valid slot
+    x[:, 2] = np.inf
+    ref = reference.dispatch(x, idx, weights, num_experts=E, layout=layout, capacity=4)
+    assert ref.dropped
+    for slot in np.argwhere((idx < 0) | (idx >= E)).tolist() + sorted(ref.dropped):
+        weights[tuple(slot)] = np.nan
+    ref = reference.dispatch(x, idx, weights, num_experts=E, layout=layout, capacity=4)
+
+    def body(x, idx, weights):
+        d = jax_ep.dispatch(x, idx, weights, num_experts=E, axis_name=AXIS, layout=layout, capacity=4)
+        return d, jax_ep.combine(d.x, d.handle, weights=d.weights)
+
+    got, out = jax.tree.map(np.asarray, ep_jit(body, num_ranks)(x, idx, weights))
+    assert_dispatch_equal(got, ref)
+    assert np.all(np.isfinite(got.x)) and np.all(np.isfinite(got.weights)) and np.all(np.isfinite(out))
+    np.testing.assert_array_equal(out[:, 2], 0)

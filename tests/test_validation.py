@@ -1,0 +1,292 @@
+"""Bad input fails at trace time with ValueError/TypeError naming the argument, the expected and the actual value.
+
+Nothing here compiles: each call is traced with ``jax.eval_shape`` under ``shard_map``.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import cpu_mesh
+from helpers import AXIS, ep_jit
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+R, T, H, K, E = 2, 4, 3, 2, 4
+L = E // R
+C_RAGGED = R * T * min(K, L)  # default capacity, expert_alignment=1
+C_EXPERT = R * T
+
+
+def mentions(*parts: str) -> str:
+    """A regex that matches a message containing every part, in any order (whole words for identifiers)."""
+
+    def one(part: str) -> str:
+        text = re.escape(part)
+        if re.fullmatch(r"\w+", part):
+            text = rf"(?<!\w){text}(?!\w)"
+        return rf"(?=.*{text})"
+
+    return "(?s)" + "".join(one(p) for p in parts)
+
+
+POSITIVE = r"(?=.*(positive|>= ?1|> ?0))"  # the expected value of a count
+FLOATING = r"(?=.*\bfloat)"  # the expected dtype kind ("float", "floating")
+
+
+def _spec(shape, dtype):
+    """A per-rank ``shape`` as the global ShapeDtypeStruct of R ranks (leading axis R times longer)."""
+    if not shape:
+        return jax.ShapeDtypeStruct((R,), dtype)
+    return jax.ShapeDtypeStruct((R * shape[0], *shape[1:]), dtype)
+
+
+def trace(fn, *per_rank_args, num_ranks=R, axis=AXIS):
+    """Trace ``fn`` on each rank of an "ep" axis without compiling; args given as (shape, dtype) per rank."""
+    mesh = cpu_mesh((num_ranks,), (axis,))
+    args = [_spec(shape, dtype) for shape, dtype in per_rank_args]
+    with jax.set_mesh(mesh):
+        return jax.eval_shape(jax.shard_map(fn, in_specs=P(axis), out_specs=P(axis)), *args)
+
+
+GOOD = {"x": ((T, H), jnp.float32), "topk_idx": ((T, K), jnp.int32), "topk_weights": ((T, K), jnp.float32)}
+
+
+def trace_dispatch(x=None, topk_idx=None, topk_weights=None, **kwargs):
+    """Trace ``jax_ep.dispatch`` with the given per-rank (shape, dtype) of each array, others good."""
+    kwargs = {"num_experts": E, "axis_name": AXIS, **kwargs}
+    arrays = [x or GOOD["x"], topk_idx or GOOD["topk_idx"], topk_weights or GOOD["topk_weights"]]
+    return trace(lambda x, i, w: jax_ep.dispatch(x, i, w, **kwargs).x, *arrays)
+
+
+def test_good_arguments_trace():
+    out = trace_dispatch()
+    assert out.shape == (R * C_RAGGED, H)
+
+
+def test_numpy_integers_are_accepted_as_sizes():
+    out = trace_dispatch(num_experts=np.int64(E), capacity=np.int32(5), expert_alignment=np.int64(1))
+    assert out.shape == (R * 5, H)
+
+
+# --- x ---------------------------------------------------------------------------------------------------------------
+
+
+def test_x_rank_1():
+    with pytest.raises(ValueError, match=mentions("x", "2", "(4,)")):
+        trace_dispatch(x=((T,), jnp.float32))
+
+
+def test_x_rank_3():
+    with pytest.raises(ValueError, match=mentions("x", "2", "(4, 3, 2)")):
+        trace_dispatch(x=((T, H, 2), jnp.float32))
+
+
+def test_x_integer_dtype():
+    with pytest.raises(TypeError, match=mentions("x", "int32") + FLOATING):
+        trace_dispatch(x=((T, H), jnp.int32))
+
+
+# --- topk_idx --------------------------------------------------------------------------------------------------------
+
+
+def test_topk_idx_rank_1():
+    with pytest.raises(ValueError, match=mentions("topk_idx", "2", "(4,)")):
+        trace_dispatch(topk_idx=((T,), jnp.int32), topk_weights=((T,), jnp.float32))
+
+
+def test_topk_idx_wrong_num_tokens():
+    with pytest.raises(ValueError, match=mentions("topk_idx", "4", "(5, 2)")):
+        trace_dispatch(topk_idx=((T + 1, K), jnp.int32), topk_weights=((T + 1, K), jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int16, jnp.uint32])
+def test_topk_idx_dtype(dtype):
+    with pytest.raises(TypeError, match=mentions("topk_idx", "int32", jnp.dtype(dtype).name)):
+        trace_dispatch(topk_idx=((T, K), dtype))
+
+
+# --- topk_weights ----------------------------------------------------------------------------------------------------
+
+
+def test_topk_weights_wrong_shape():
+    with pytest.raises(ValueError, match=mentions("topk_weights", "(4, 2)", "(4, 3)")):
+        trace_dispatch(topk_weights=((T, K + 1), jnp.float32))
+
+
+def test_topk_weights_rank_1():
+    with pytest.raises(ValueError, match=mentions("topk_weights", "(4, 2)", "(4,)")):
+        trace_dispatch(topk_weights=((T,), jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32])
+def test_topk_weights_dtype(dtype):
+    with pytest.raises(TypeError, match=mentions("topk_weights", "float32", jnp.dtype(dtype).name)):
+        trace_dispatch(topk_weights=((T, K), dtype))
+
+
+# --- static arguments ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_experts", [3, 5, 1])
+def test_num_experts_not_a_multiple_of_ranks(num_experts):
+    with pytest.raises(ValueError, match=mentions("num_experts", str(R), str(num_experts))):
+        trace_dispatch(num_experts=num_experts)
+
+
+@pytest.mark.parametrize(("num_experts", "error"), [(0, ValueError), (-4, ValueError), (4.0, TypeError)])
+def test_num_experts_not_a_positive_int(num_experts, error):
+    with pytest.raises(error, match=mentions("num_experts", str(num_experts))):
+        trace_dispatch(num_experts=num_experts)
+
+
+def test_unknown_layout():
+    with pytest.raises(ValueError, match=mentions("layout", "ragged", "expert", "dense")):
+        trace_dispatch(layout="dense")
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=mentions("backend", "auto", "xla", "cuda", "tpu")):
+        trace_dispatch(backend="tpu")
+
+
+@pytest.mark.parametrize("capacity", [0, -3])
+def test_capacity_not_positive(capacity):
+    with pytest.raises(ValueError, match=mentions("capacity", str(capacity)) + POSITIVE):
+        trace_dispatch(capacity=capacity)
+
+
+@pytest.mark.parametrize("capacity", [2.5, 8.0, "8", True, np.float32(8)])
+def test_capacity_not_an_int(capacity):
+    with pytest.raises(TypeError, match=mentions("capacity", "int", str(capacity))):
+        trace_dispatch(capacity=capacity)
+
+
+@pytest.mark.parametrize("alignment", [0, -8])
+def test_expert_alignment_not_positive(alignment):
+    with pytest.raises(ValueError, match=mentions("expert_alignment", str(alignment)) + POSITIVE):
+        trace_dispatch(expert_alignment=alignment)
+
+
+def test_expert_alignment_not_an_int():
+    with pytest.raises(TypeError, match=mentions("expert_alignment", "int", "2.0")):
+        trace_dispatch(expert_alignment=2.0)
+
+
+# --- axis_name -------------------------------------------------------------------------------------------------------
+
+
+def test_axis_name_not_bound_inside_shard_map():
+    with pytest.raises(ValueError, match=mentions("axis_name", "'model'")):
+        trace_dispatch(axis_name="model")
+
+
+def test_axis_name_outside_shard_map():
+    x, idx, w = jnp.ones((T, H)), jnp.zeros((T, K), jnp.int32), jnp.ones((T, K))
+    with pytest.raises(ValueError, match=mentions("axis_name", "'ep'", "shard_map")):
+        jax.eval_shape(lambda: jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS))
+
+
+# --- backend="cuda" without GPUs -------------------------------------------------------------------------------------
+
+
+def test_cuda_backend_on_cpu_is_an_error():
+    """No silent fallback: asking for "cuda" on CPU devices fails at trace time and says so."""
+    with pytest.raises((ValueError, RuntimeError), match=mentions("cuda")):
+        trace_dispatch(backend="cuda")
+
+
+def test_auto_backend_on_cpu_runs():
+    """backend="auto" on CPU runs (the xla backend) and delivers the tokens."""
+    rng = np.random.default_rng(0)
+    x = (rng.random((R, T, H)) + 0.5).astype(np.float32)
+    idx = np.broadcast_to(np.arange(K, dtype=np.int32), (R, T, K)).copy()
+    w = np.ones((R, T, K), np.float32)
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend="auto")
+        return jax_ep.combine(d.x, d.handle)
+
+    np.testing.assert_allclose(np.asarray(ep_jit(body, R)(x, idx, w)), K * x, rtol=1e-6)
+
+
+# --- combine ---------------------------------------------------------------------------------------------------------
+
+
+def trace_combine(layout, y_shape, y_dtype=jnp.float32, weights=None, handle=lambda d: d.handle):
+    """Trace a good dispatch, then combine with a per-rank ``y`` of ``y_shape`` and ``weights`` (shape, dtype)."""
+
+    def fn(x, idx, w, *rest):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout=layout)
+        y = jnp.ones(y_shape, y_dtype)
+        kwargs = {} if weights is None else {"weights": jnp.ones(*weights)}
+        return jax_ep.combine(y, handle(d), **kwargs)
+
+    return trace(fn, GOOD["x"], GOOD["topk_idx"], GOOD["topk_weights"])
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "want"),
+    [
+        ("ragged", (C_RAGGED + 1, H), (C_RAGGED,)),
+        ("ragged", (C_RAGGED - 1, H), (C_RAGGED,)),
+        ("expert", (L + 1, C_EXPERT, H), (L, C_EXPERT)),
+        ("expert", (L, C_EXPERT - 1, H), (L, C_EXPERT)),
+    ],
+)
+def test_combine_y_wrong_leading_shape(layout, shape, want):
+    """y must be shaped like d.x: the message shows the expected leading dimensions and y's shape."""
+    with pytest.raises(ValueError, match=mentions("y", str(shape), str(want)[:-1])):
+        trace_combine(layout, shape)
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "ndim"),
+    [("ragged", (C_RAGGED,), 2), ("ragged", (L, C_RAGGED, H), 2), ("expert", (L * C_EXPERT, H), 3)],
+)
+def test_combine_y_wrong_rank(layout, shape, ndim):
+    with pytest.raises(ValueError, match=mentions("y", str(shape), str(ndim))):
+        trace_combine(layout, shape)
+
+
+def test_combine_y_integer_dtype():
+    with pytest.raises(TypeError, match=mentions("y", "int32") + FLOATING):
+        trace_combine("ragged", (C_RAGGED, H), jnp.int32)
+
+
+def test_combine_good_arguments_trace():
+    out = trace_combine("expert", (L, C_EXPERT, H), jnp.bfloat16, weights=((L, C_EXPERT), jnp.float32))
+    assert out.shape == (R * T, H) and out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "want"),
+    [
+        ("ragged", (C_RAGGED + 1,), (C_RAGGED,)),
+        ("ragged", (C_RAGGED, 1), (C_RAGGED,)),
+        ("expert", (L * C_EXPERT,), (L, C_EXPERT)),
+        ("expert", (L, C_EXPERT + 1), (L, C_EXPERT)),
+    ],
+)
+def test_combine_weights_wrong_shape(layout, shape, want):
+    y_shape = (C_RAGGED, H) if layout == "ragged" else (L, C_EXPERT, H)
+    with pytest.raises(ValueError, match=mentions("weights", str(shape), str(want))):
+        trace_combine(layout, y_shape, weights=(shape, jnp.float32))
+
+
+def test_combine_weights_integer_dtype():
+    with pytest.raises(TypeError, match=mentions("weights", "int32") + FLOATING):
+        trace_combine("ragged", (C_RAGGED, H), weights=((C_RAGGED,), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    ("handle", "type_name"),
+    [(lambda d: d, "Dispatched"), (lambda d: {"row_slot": d.x}, "dict"), (lambda d: None, "NoneType")],
+    ids=["Dispatched", "dict", "None"],
+)
+def test_combine_handle_not_a_handle(handle, type_name):
+    with pytest.raises(TypeError, match=mentions("handle", "Handle", type_name)):
+        trace_combine("ragged", (C_RAGGED, H), handle=handle)
