@@ -5,8 +5,11 @@
 
 extern "C" {
 XLA_FFI_Error* JaxEpRoutingLayout(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpExchangeInstantiate(XLA_FFI_CallFrame* call_frame);
+// Transfers between GPUs: one instantiate handler (state: the resources) shared by three execute handlers.
+XLA_FFI_Error* JaxEpTransportInstantiate(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxEpExchangeExecute(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_TypeId* JaxEpExchangeStateTypeId();
-const XLA_FFI_TypeInfo* JaxEpExchangeStateTypeInfo();
+XLA_FFI_Error* JaxEpTokensToRowsExecute(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxEpRowsToTokensExecute(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_TypeId* JaxEpTransportStateTypeId();
+const XLA_FFI_TypeInfo* JaxEpTransportStateTypeInfo();
 }

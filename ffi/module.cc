@@ -6,6 +6,7 @@
 #include <nccl.h>
 
 #include <string>
+#include <utility>
 
 #include "handlers.h"
 #include "resources.h"
@@ -62,18 +63,25 @@ NB_MODULE(_jax_ep_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["jax_ep_routing_layout"] = Capsule(reinterpret_cast<void*>(JaxEpRoutingLayout));
-    nb::dict exchange;
-    exchange["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeInstantiate));
-    exchange["execute"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeExecute));
-    targets["jax_ep_exchange"] = exchange;
+    const std::pair<const char*, void*> transfers[] = {
+        {"jax_ep_exchange", reinterpret_cast<void*>(JaxEpExchangeExecute)},
+        {"jax_ep_tokens_to_rows", reinterpret_cast<void*>(JaxEpTokensToRowsExecute)},
+        {"jax_ep_rows_to_tokens", reinterpret_cast<void*>(JaxEpRowsToTokensExecute)},
+    };
+    for (const auto& [name, execute] : transfers) {
+      nb::dict stages;
+      stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpTransportInstantiate));
+      stages["execute"] = Capsule(execute);
+      targets[name] = stages;
+    }
     return targets;
   });
   m.def("type_registrations", []() {
     nb::dict types;
     nb::dict state;
-    state["type_id"] = Capsule(reinterpret_cast<void*>(JaxEpExchangeStateTypeId()));
-    state["type_info"] = Capsule(const_cast<void*>(static_cast<const void*>(JaxEpExchangeStateTypeInfo())));
-    types["jax_ep_exchange_state"] = state;
+    state["type_id"] = Capsule(reinterpret_cast<void*>(JaxEpTransportStateTypeId()));
+    state["type_info"] = Capsule(const_cast<void*>(static_cast<const void*>(JaxEpTransportStateTypeInfo())));
+    types["jax_ep_transport_state"] = state;
     return types;
   });
   m.def(

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "exchange.h"
+#include "signals.h"
 
 namespace jax_ep {
 

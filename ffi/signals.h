@@ -1,9 +1,7 @@
-// Device-side layout of the exchange's signals and the launcher of the exchange kernels.
+// Device memory shared by the GPUs of one EP group: signals and the table of every rank's buffers.
 #pragma once
 
 #include <cstdint>
-
-#include <cuda_runtime.h>
 
 namespace jax_ep {
 
@@ -11,12 +9,12 @@ constexpr int kMaxRanks = 64;
 
 // Lives in each GPU's memory. Peers write arrive/data/counts_in; the owner reads them.
 struct Signals {
-  uint64_t arrive[kMaxRanks];    // epoch at which rank r entered the current exchange
-  uint64_t data[kMaxRanks];      // epoch at which rank r finished writing its rows here
+  uint64_t arrive[kMaxRanks];       // epoch at which rank r entered the current transfer
+  uint64_t data[kMaxRanks];         // epoch at which rank r finished writing its rows here
   int32_t counts_in[2][kMaxRanks];  // rows rank r sends here, double-buffered by epoch parity
-  uint64_t epoch;                // exchanges completed by this GPU
-  uint32_t blocks_done[2];       // last-block detection of the send and receive kernels
-  int32_t timed_out;             // set when a wait gave up; the exchange's output is then invalid
+  uint64_t epoch;                   // transfers completed by this GPU
+  uint32_t blocks_done[2];          // last-block detection of the send and receive kernels
+  int32_t timed_out;                // set when a wait gave up; that transfer's output is then invalid
 };
 
 struct PeerTable {
@@ -24,11 +22,14 @@ struct PeerTable {
   Signals* signals[kMaxRanks];
 };
 
-// All-to-all of rows: send [R, rows, row_bytes] and send_counts [R] (rows to send to each rank) on
-// every rank of the group; recv [R, rows, row_bytes] gets rank r's rows in recv[r], and
-// recv_counts [R] their number. Rows past recv_counts[r] are left unwritten.
-cudaError_t LaunchExchange(const char* send, const int32_t* send_counts, char* recv, int32_t* recv_counts,
-                           int64_t rows, int64_t row_bytes, int rank, int num_ranks, const char* own_buffer,
-                           Signals* signals, const PeerTable* peers, int64_t timeout_cycles, cudaStream_t stream);
+// Where a kernel of a transfer finds this rank's group.
+struct GroupView {
+  int rank;
+  int num_ranks;
+  char* own_buffer;        // this rank's receive buffer
+  Signals* signals;        // this rank's signals
+  const PeerTable* peers;  // device copy of every rank's buffers and signals
+  int64_t timeout_cycles;  // give up waiting for peers after this many SM cycles
+};
 
 }  // namespace jax_ep

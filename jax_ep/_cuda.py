@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._layout import LocalLayout
-from ._types import Config
+from ._types import Config, Handle
 
 try:
     from . import _jax_ep_cuda as _extension
@@ -26,6 +26,7 @@ except ImportError as _error:  # built without CUDA, or its libraries are missin
 else:
     _import_error = None
 
+COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # fused combine kernel
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
 _state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, capacity_bytes, timeout_cycles
 
@@ -154,11 +155,37 @@ def local_layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> Local
     return LocalLayout(*call(topk_idx, num_experts=num_experts, num_ranks=num_ranks))
 
 
-def exchange(buffer: jax.Array, counts: jax.Array, config: Config) -> tuple[jax.Array, jax.Array]:
-    """Rows ``[:counts[d]]`` of ``buffer[d]`` to rank ``d`` by NVLink peer stores; see ``_ops._exchange``."""
+def _timeout_cycles() -> np.int64:
     _register()
     if not _state:
         raise ValueError("jax_ep: backend='cuda' needs jax_ep.initialize(mesh, axis_name, ...) first")
+    return np.int64(_state["timeout_cycles"])
+
+
+def exchange(buffer: jax.Array, counts: jax.Array, config: Config) -> tuple[jax.Array, jax.Array]:
+    """Rows ``[:counts[d]]`` of ``buffer[d]`` to rank ``d`` by NVLink peer stores; see ``_ops._exchange``."""
     results = (_result(buffer, buffer.shape, buffer.dtype), _result(counts, counts.shape, jnp.int32))
     call = jax.ffi.ffi_call("jax_ep_exchange", results)
-    return call(buffer, counts.astype(jnp.int32), timeout_cycles=np.int64(_state["timeout_cycles"]))
+    return call(buffer, counts.astype(jnp.int32), timeout_cycles=_timeout_cycles())
+
+
+def tokens_to_rows(x: jax.Array, self_token: jax.Array, handle: Handle) -> jax.Array:
+    """Dispatch's data movement in one FFI call: layout rows ``[N, H]``; see ``_ops.to_experts``.
+
+    ``self_token [T]`` lists the tokens this rank sends to itself, in order.
+    """
+    out = _result(x, (handle.row_slot.shape[0], x.shape[1]), x.dtype)
+    call = jax.ffi.ffi_call("jax_ep_tokens_to_rows", out)
+    topk = np.int64(handle.config.topk)
+    return call(x, handle.token_dest_pos, self_token, handle.row_slot, timeout_cycles=_timeout_cycles(), topk=topk)
+
+
+def rows_to_tokens(y: jax.Array, weights: jax.Array, handle: Handle) -> jax.Array:
+    """Combine's data movement and sums in one FFI call: ``[T, H]`` in ``y.dtype``; see ``_ops.to_tokens``.
+
+    ``y [N, H]`` are layout rows and ``weights [N]`` float32 their weights.
+    """
+    out = _result(y, (handle.config.num_tokens, y.shape[1]), y.dtype)
+    call = jax.ffi.ffi_call("jax_ep_rows_to_tokens", out)
+    args = (y, weights, handle.recv_rows, handle.recv_counts, handle.token_dest_pos)
+    return call(*args, timeout_cycles=_timeout_cycles())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _backends
+from . import _backends, _cuda
 from ._layout import assign_rows
 from ._types import Config, Dispatched, Handle
 
@@ -66,7 +66,6 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     sent = _valid_rows(recv_counts, num_tokens)[..., None]
     recv_rows = jnp.where(sent, recv_meta[..., :topk], -1)
     recv_weights = jnp.where(sent, jax.lax.bitcast_convert_type(recv_meta[..., topk:], jnp.float32), 0.0).reshape(-1)
-    recv_x = _tokens_to_ranks(x, local.token_dest_pos, send_counts, config)
 
     slots = jnp.arange(num_ranks * num_tokens * topk, dtype=jnp.int32)
     flat_rows = recv_rows.reshape(-1)
@@ -78,7 +77,7 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     hidden = x.shape[-1]
     handle = Handle(local.token_dest_pos, send_counts, rows.slot_dest, recv_rows, recv_counts, row_slot, config)
     return Dispatched(
-        x=_expand(recv_x, row_slot, topk).reshape(config.layout_shape(hidden)),
+        x=to_experts(handle, x).reshape(config.layout_shape(hidden)),
         weights=_take(recv_weights, row_slot).reshape(config.weights_shape),
         group_sizes=rows.group_sizes,
         num_dropped=rows.num_dropped,
@@ -87,22 +86,20 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     )
 
 
-def _expand(recv_x: jax.Array, row_slot: jax.Array, topk: int) -> jax.Array:
-    """Layout rows ``[N, H]`` from received tokens ``[R * T, H]``."""
-    return _take(recv_x, jnp.where(row_slot < 0, -1, row_slot // topk))
-
-
-def _tokens_to_ranks(x: jax.Array, token_dest_pos: jax.Array, send_counts: jax.Array, config: Config) -> jax.Array:
-    """Each token of ``x [T, H]`` once to every rank it is routed to: received tokens ``[R * T, H]``."""
-    send_token = _send_tokens(token_dest_pos, config)
-    recv_x, _ = _exchange(_take(x, send_token), send_counts, config)
-    return recv_x.reshape(config.num_ranks * config.num_tokens, -1)
-
-
 def to_experts(handle: Handle, x: jax.Array) -> jax.Array:
-    """Send token rows ``x [T, H]`` along the dispatch routing: layout rows ``[N, H]``."""
-    recv_x = _tokens_to_ranks(x, handle.token_dest_pos, handle.send_counts, handle.config)
-    return _expand(recv_x, handle.row_slot, handle.config.topk)
+    """Send token rows ``x [T, H]`` along the dispatch routing: layout rows ``[N, H]``.
+
+    Each token goes once to every rank it is routed to; there it fills the rows of its slots.
+    """
+    config = handle.config
+    send_token = _send_tokens(handle.token_dest_pos, config)
+    if config.backend == "cuda":
+        self_token = send_token[jax.lax.axis_index(config.axis_name)]
+        return _cuda.tokens_to_rows(x, self_token, handle)
+    recv_x, _ = _exchange(_take(x, send_token), handle.send_counts, config)
+    recv_x = recv_x.reshape(config.num_ranks * config.num_tokens, -1)
+    row_slot = handle.row_slot
+    return _take(recv_x, jnp.where(row_slot < 0, -1, row_slot // config.topk))
 
 
 def to_tokens(handle: Handle, y: jax.Array, weights: jax.Array | None) -> jax.Array:
@@ -113,6 +110,9 @@ def to_tokens(handle: Handle, y: jax.Array, weights: jax.Array | None) -> jax.Ar
     and rounds once to ``y.dtype``.
     """
     config = handle.config
+    if config.backend == "cuda" and y.dtype in _cuda.COMBINE_DTYPES:
+        flat_weights = jnp.ones(y.shape[0], jnp.float32) if weights is None else weights.astype(jnp.float32)
+        return _cuda.rows_to_tokens(y, flat_weights, handle)
     recv_rows = handle.recv_rows.reshape(config.num_ranks * config.num_tokens, config.topk)
     partial = jnp.zeros((recv_rows.shape[0], y.shape[-1]), jnp.float32)
     for k in range(config.topk):

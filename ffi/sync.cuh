@@ -1,0 +1,111 @@
+// Device-side pieces every transfer shares: epoch flags, the last-block signal, and a warp row copy.
+//
+// A transfer is: arrive (all ranks entered it), send (peer stores, then raise my data flag on every
+// peer), receive (wait for every peer's data flag, read my buffer, then advance my epoch). Each GPU
+// counts its transfers in device memory, so every kernel of a transfer reads the same epoch and a
+// captured graph stays valid.
+#pragma once
+
+#include <cstdint>
+
+#include "signals.h"
+
+namespace jax_ep {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ inline uint64_t LoadAcquire(const uint64_t* flag) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ inline void StoreRelease(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+// Spins until *flag >= epoch; after timeout_cycles marks the transfer as failed and returns.
+__device__ inline void WaitFor(const uint64_t* flag, uint64_t epoch, const GroupView& group) {
+  const long long start = clock64();
+  while (LoadAcquire(flag) < epoch) {
+    if (clock64() - start > group.timeout_cycles) {
+      atomicExch(&group.signals->timed_out, 1);
+      return;
+    }
+  }
+}
+
+// The epoch of the transfer in progress on this GPU.
+__device__ inline uint64_t CurrentEpoch(const Signals* signals) {
+  return *reinterpret_cast<const volatile uint64_t*>(&signals->epoch) + 1;
+}
+
+// True in exactly one thread: thread 0 of the last block of the grid to get here. Every block's
+// writes, peer stores included, are fenced system-wide before it counts itself done.
+__device__ inline bool LastBlockDone(uint32_t* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(counter, 1) == gridDim.x - 1;
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  return last && threadIdx.x == 0;
+}
+
+// Send kernels end here: the last block raises this rank's data flag on every peer.
+__device__ inline void SignalDataSent(const GroupView& group, uint64_t epoch) {
+  if (LastBlockDone(&group.signals->blocks_done[0])) {
+    for (int peer = 0; peer < group.num_ranks; ++peer) {
+      StoreRelease(&group.peers->signals[peer]->data[group.rank], epoch);
+    }
+  }
+}
+
+// Receive kernels start here: every block waits until all peers' rows have landed.
+__device__ inline void WaitDataReceived(const GroupView& group, uint64_t epoch) {
+  if (threadIdx.x < group.num_ranks) WaitFor(&group.signals->data[threadIdx.x], epoch, group);
+  __syncthreads();
+}
+
+// Receive kernels end here: the last block closes the transfer by advancing the epoch.
+__device__ inline void FinishTransfer(const GroupView& group, uint64_t epoch) {
+  if (LastBlockDone(&group.signals->blocks_done[1])) {
+    *reinterpret_cast<volatile uint64_t*>(&group.signals->epoch) = epoch;
+  }
+}
+
+// One warp copies one row (src == nullptr writes zeros); 16-byte accesses when the row allows them.
+__device__ inline void CopyRow(const char* __restrict__ src, char* __restrict__ dst, int64_t row_bytes, int lane) {
+  if (row_bytes % 16 == 0) {
+    const int64_t n = row_bytes / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    int64_t i = lane;
+    for (; i + 96 < n; i += 128) {
+      const uint4 a = s ? s[i] : zero, b = s ? s[i + 32] : zero, c = s ? s[i + 64] : zero, e = s ? s[i + 96] : zero;
+      d[i] = a;
+      d[i + 32] = b;
+      d[i + 64] = c;
+      d[i + 96] = e;
+    }
+    for (; i < n; i += 32) d[i] = s ? s[i] : zero;
+  } else if (row_bytes % 4 == 0) {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t i = lane; i < row_bytes / 4; i += 32) d[i] = s ? s[i] : 0u;
+  } else {
+    for (int64_t i = lane; i < row_bytes; i += 32) dst[i] = src ? src[i] : 0;
+  }
+}
+
+// Grid size for one warp per unit of work, capped at two waves of an H100/H200.
+inline unsigned BlocksFor(int64_t units) {
+  const int64_t blocks = (units + kWarps - 1) / kWarps;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 264 ? 264 : blocks));
+}
+
+}  // namespace jax_ep

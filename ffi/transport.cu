@@ -1,0 +1,201 @@
+// Dispatch's and combine's data movement, fused: tokens go straight from x into peers' receive buffers
+// and from there into the layout; partial sums go straight from the expert side to the source's buffer.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels.h"
+#include "sync.cuh"
+
+namespace jax_ep {
+namespace {
+
+__global__ void TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
+                                       int64_t num_tokens, int64_t row_bytes, GroupView group) {
+  const uint64_t epoch = CurrentEpoch(group.signals);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < num_tokens; t += warps) {
+    for (int dest = 0; dest < group.num_ranks; ++dest) {
+      const int32_t pos = token_dest_pos[t * group.num_ranks + dest];
+      if (dest == group.rank || pos < 0) continue;
+      char* remote = group.peers->recv_buffer[dest] + (group.rank * num_tokens + pos) * row_bytes;
+      CopyRow(x + t * row_bytes, remote, row_bytes, lane);
+    }
+  }
+  SignalDataSent(group, epoch);
+}
+
+__global__ void TokensToRowsExpandKernel(const char* __restrict__ x, const int32_t* __restrict__ self_token,
+                                         const int32_t* __restrict__ row_slot, char* __restrict__ out,
+                                         int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
+                                         GroupView group) {
+  const uint64_t epoch = CurrentEpoch(group.signals);
+  WaitDataReceived(group, epoch);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t n = blockIdx.x * kWarps + threadIdx.x / 32; n < num_rows; n += warps) {
+    const int32_t slot = row_slot[n];
+    const char* src = nullptr;
+    if (slot >= 0) {
+      const int64_t received = slot / topk;  // r * T + i
+      const int64_t source = received / num_tokens;
+      src = source == group.rank ? x + self_token[received % num_tokens] * row_bytes
+                                 : group.own_buffer + received * row_bytes;
+    }
+    CopyRow(src, out + n * row_bytes, row_bytes, lane);
+  }
+  FinishTransfer(group, epoch);
+}
+
+__device__ inline float ToFloat(float v) { return v; }
+__device__ inline float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float ToFloat(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ inline T FromFloat(float v);
+template <>
+__device__ inline float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+template <>
+__device__ inline __half FromFloat<__half>(float v) {
+  return __float2half(v);
+}
+
+// Elements each lane handles at once: 16 bytes of T when the hidden size allows, else one.
+template <typename T>
+__device__ inline int VectorWidth(int64_t hidden) {
+  constexpr int kWide = 16 / sizeof(T);
+  return hidden % kWide == 0 ? kWide : 1;
+}
+
+template <typename T>
+__global__ void RowsToTokensSendKernel(const T* __restrict__ y, const float* __restrict__ weights,
+                                       const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
+                                       int64_t num_tokens, int64_t hidden, int64_t topk, GroupView group) {
+  constexpr int kWide = 16 / sizeof(T);
+  const uint64_t epoch = CurrentEpoch(group.signals);
+  const int lane = threadIdx.x % 32;
+  const int width = VectorWidth<T>(hidden);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens; w += warps) {
+    const int source = static_cast<int>(w / num_tokens);
+    const int64_t i = w % num_tokens;
+    if (i >= recv_counts[source]) continue;
+    const int32_t* rows = recv_rows + w * topk;
+    char* base = source == group.rank ? group.own_buffer : group.peers->recv_buffer[source];
+    float* dst = reinterpret_cast<float*>(base) + (group.rank * num_tokens + i) * hidden;
+    for (int64_t e = lane * width; e < hidden; e += 32 * width) {
+      float acc[kWide] = {};
+      for (int64_t k = 0; k < topk; ++k) {
+        const int32_t row = rows[k];
+        if (row < 0) continue;
+        const float weight = weights[row];
+        const T* src = y + row * hidden + e;
+        if (width == kWide) {
+          T values[kWide];
+          *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(src);
+#pragma unroll
+          for (int j = 0; j < kWide; ++j) acc[j] += weight * ToFloat(values[j]);
+        } else {
+          acc[0] += weight * ToFloat(src[0]);
+        }
+      }
+      if (width % 4 == 0) {
+        for (int j = 0; j < width; j += 4) {
+          *reinterpret_cast<float4*>(dst + e + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+        }
+      } else {
+        dst[e] = acc[0];
+      }
+    }
+  }
+  SignalDataSent(group, epoch);
+}
+
+template <typename T>
+__global__ void RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out,
+                                         int64_t num_tokens, int64_t hidden, GroupView group) {
+  const uint64_t epoch = CurrentEpoch(group.signals);
+  WaitDataReceived(group, epoch);
+  const float* partial = reinterpret_cast<const float*>(group.own_buffer);
+  const int lane = threadIdx.x % 32;
+  const int width = hidden % 4 == 0 ? 4 : 1;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < num_tokens; t += warps) {
+    for (int64_t e = lane * width; e < hidden; e += 32 * width) {
+      float acc[4] = {};
+      for (int dest = 0; dest < group.num_ranks; ++dest) {
+        const int32_t pos = token_dest_pos[t * group.num_ranks + dest];
+        if (pos < 0) continue;
+        const float* src = partial + (dest * num_tokens + pos) * hidden + e;
+        if (width == 4) {
+          const float4 v = *reinterpret_cast<const float4*>(src);
+          acc[0] += v.x;
+          acc[1] += v.y;
+          acc[2] += v.z;
+          acc[3] += v.w;
+        } else {
+          acc[0] += src[0];
+        }
+      }
+      for (int j = 0; j < width; ++j) out[t * hidden + e + j] = FromFloat<T>(acc[j]);
+    }
+  }
+  FinishTransfer(group, epoch);
+}
+
+template <typename T>
+cudaError_t LaunchRowsToTokensTyped(const T* y, const float* weights, const int32_t* recv_rows,
+                                    const int32_t* recv_counts, const int32_t* token_dest_pos, T* out,
+                                    int64_t num_tokens, int64_t hidden, int64_t topk, const GroupView& group,
+                                    cudaStream_t stream) {
+  cudaError_t status = LaunchArrive(nullptr, group, stream);
+  if (status != cudaSuccess) return status;
+  RowsToTokensSendKernel<T><<<BlocksFor(group.num_ranks * num_tokens), kThreads, 0, stream>>>(
+      y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, group);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  RowsToTokensReduceKernel<T>
+      <<<BlocksFor(num_tokens), kThreads, 0, stream>>>(token_dest_pos, out, num_tokens, hidden, group);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, const int32_t* self_token,
+                               const int32_t* row_slot, char* out, int64_t num_tokens, int64_t row_bytes,
+                               int64_t num_rows, int64_t topk, const GroupView& group, cudaStream_t stream) {
+  cudaError_t status = LaunchArrive(nullptr, group, stream);
+  if (status != cudaSuccess) return status;
+  TokensToRowsSendKernel<<<BlocksFor(num_tokens), kThreads, 0, stream>>>(x, token_dest_pos, num_tokens,
+                                                                          row_bytes, group);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  TokensToRowsExpandKernel<<<BlocksFor(num_rows), kThreads, 0, stream>>>(x, self_token, row_slot, out, num_tokens,
+                                                                          row_bytes, num_rows, topk, group);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRowsToTokens(const void* y, const float* weights, const int32_t* recv_rows,
+                               const int32_t* recv_counts, const int32_t* token_dest_pos, void* out,
+                               FloatType type, int64_t num_tokens, int64_t hidden, int64_t topk,
+                               const GroupView& group, cudaStream_t stream) {
+  switch (type) {
+    case FloatType::kF32:
+      return LaunchRowsToTokensTyped(static_cast<const float*>(y), weights, recv_rows, recv_counts, token_dest_pos,
+                                     static_cast<float*>(out), num_tokens, hidden, topk, group, stream);
+    case FloatType::kBF16:
+      return LaunchRowsToTokensTyped(static_cast<const __nv_bfloat16*>(y), weights, recv_rows, recv_counts,
+                                     token_dest_pos, static_cast<__nv_bfloat16*>(out), num_tokens, hidden, topk,
+                                     group, stream);
+    case FloatType::kF16:
+      return LaunchRowsToTokensTyped(static_cast<const __half*>(y), weights, recv_rows, recv_counts, token_dest_pos,
+                                     static_cast<__half*>(out), num_tokens, hidden, topk, group, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_ep
