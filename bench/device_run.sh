@@ -13,6 +13,6 @@ if ! python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build
   exit 1
 fi
 grep "jax_ep:" "$OUT/build.log"
-python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py -x \
+python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py tests/test_cuda_trace.py -x \
   2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|Error|passed|failed"
 timeout 240 python3 bench/bench_dispatch.py "$OUT/bench_dispatch.json" 2>&1 | tee "$OUT/bench.log"
