@@ -123,8 +123,10 @@ def test_cuda_gradients_match_xla(mesh, layout):
     with jax.set_mesh(mesh):
         grads = {b: jax.jit(jax.grad(functools.partial(loss, b), argnums=(0, 1)))(x, w) for b in ("cuda", "xla")}
     for got, want in zip(grads["cuda"], grads["xla"], strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-        assert np.abs(np.asarray(want)).sum() > 0
+        want = np.asarray(want)
+        # Sums of several terms in a different order: float32 rounding relative to the largest values.
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert np.abs(want).sum() > 0
 
 
 def test_exchange_rewrites_every_call(mesh):
