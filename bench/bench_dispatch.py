@@ -76,9 +76,26 @@ def main() -> None:
                 return jax_ep.combine(y, handle, weights=weights)
 
             run_combine = jax.jit(jax.shard_map(combine, in_specs=P("ep"), out_specs=P("ep")))
-            dispatch_s = seconds_per_call(run_dispatch, x, idx, w, iters=args.iters)
-            combine_s = seconds_per_call(run_combine, layout_x, handle, layout_weights, iters=args.iters)
-            results[backend] = {"dispatch_us": dispatch_s * 1e6, "combine_us": combine_s * 1e6}
+
+            def routing(x, idx, w, backend=backend):  # dispatch without moving x: d.x is dead code
+                d = jax_ep.dispatch(x, idx, w, num_experts=e, axis_name="ep", backend=backend)
+                return d.weights, d.handle
+
+            run_routing = jax.jit(jax.shard_map(routing, in_specs=P("ep"), out_specs=P("ep")))
+
+            def layout(idx, backend=backend):
+                return jax_ep._backends.module(backend).local_layout(idx, e, ranks).token_dest_pos
+
+            run_layout = jax.jit(jax.shard_map(layout, in_specs=P("ep"), out_specs=P("ep")))
+            results[backend] = {
+                name: seconds_per_call(fn, *fn_args, iters=args.iters) * 1e6
+                for name, fn, fn_args in (
+                    ("dispatch_us", run_dispatch, (x, idx, w)),
+                    ("combine_us", run_combine, (layout_x, handle, layout_weights)),
+                    ("routing_only_us", run_routing, (x, idx, w)),
+                    ("local_layout_us", run_layout, (idx,)),
+                )
+            }
             print(backend, results[backend], flush=True)
 
     from jax_ep import _cuda
@@ -108,6 +125,7 @@ def main() -> None:
         "remote_bytes_per_rank": int(remote_bytes_per_rank),
         "peer_copy": {"us": copy_s * 1e6, "GBps": copy_gbps, "api": "cudaMemcpyPeerAsync, CUDA events"},
         "timing": "wall clock, mean of --iters calls after 3 warm-up calls, block_until_ready at the end",
+        "parts": "routing_only: dispatch with d.x unused (handle and weights only); local_layout: the layout step",
         "results": results,
     }
     write(args.out, payload)

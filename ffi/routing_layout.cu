@@ -9,6 +9,7 @@ namespace jax_ep {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kSlotsPerThread = 16;
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
 
@@ -49,14 +50,19 @@ __global__ void RoutingLayoutKernel(const int32_t* __restrict__ topk_idx, int64_
     }
     if (threadIdx.x == 0) rank_token_count[rank] = running;
   } else if (blockIdx.x < num_ranks + num_experts) {
-    // Rank of each slot among this rank's slots of one expert, in (t, k) order.
+    // Rank of each slot among this rank's slots of one expert, in (t, k) order. Each thread scans
+    // kSlotsPerThread consecutive slots, so a block needs few synchronized scans.
     const int32_t expert = static_cast<int32_t>(blockIdx.x - num_ranks);
-    for (int64_t base = 0; base < num_slots; base += kThreads) {
-      const int64_t s = base + threadIdx.x;
-      const int32_t mine = s < num_slots && topk_idx[s] == expert;
+    for (int64_t base = 0; base < num_slots; base += kThreads * kSlotsPerThread) {
+      const int64_t first = base + threadIdx.x * kSlotsPerThread;
+      const int64_t last = first + kSlotsPerThread < num_slots ? first + kSlotsPerThread : num_slots;
+      int32_t mine = 0;
+      for (int64_t s = first; s < last; ++s) mine += topk_idx[s] == expert;
       int32_t chunk_total;
-      const int32_t offset = ScanChunk(scan, mine, chunk_total);
-      if (mine) slot_rank[s] = running + offset;
+      int32_t next = running + ScanChunk(scan, mine, chunk_total);
+      for (int64_t s = first; mine > 0 && s < last; ++s) {
+        if (topk_idx[s] == expert) slot_rank[s] = next++;
+      }
       running += chunk_total;
     }
     if (threadIdx.x == 0) expert_count[expert] = running;

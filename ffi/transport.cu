@@ -9,12 +9,29 @@
 namespace jax_ep {
 namespace {
 
+// Where layout row n's data comes from: nullptr for padding, x for this rank's own tokens, or the receive
+// buffer for tokens from peers (then *remote is set).
+__device__ inline const char* RowSource(const char* x, const int32_t* self_token, int32_t slot, int64_t num_tokens,
+                                        int64_t row_bytes, int64_t topk, const GroupView& group, bool* remote) {
+  *remote = false;
+  if (slot < 0) return nullptr;
+  const int64_t received = slot / topk;  // r * T + i: the i-th token from rank r
+  if (received / num_tokens == group.rank) return x + self_token[received % num_tokens] * row_bytes;
+  *remote = true;
+  return group.own_buffer + received * row_bytes;
+}
+
+// Sends each token once to every peer rank it is routed to, then fills the layout rows that need no
+// peer data (padding and this rank's own tokens) while the peers' stores are in flight.
 __global__ void TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
-                                       int64_t num_tokens, int64_t row_bytes, GroupView group) {
+                                       const int32_t* __restrict__ self_token, const int32_t* __restrict__ row_slot,
+                                       char* __restrict__ out, int64_t num_tokens, int64_t row_bytes,
+                                       int64_t num_rows, int64_t topk, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
+  const int64_t warp = blockIdx.x * kWarps + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < num_tokens; t += warps) {
+  for (int64_t t = warp; t < num_tokens; t += warps) {
     for (int dest = 0; dest < group.num_ranks; ++dest) {
       const int32_t pos = token_dest_pos[t * group.num_ranks + dest];
       if (dest == group.rank || pos < 0) continue;
@@ -22,9 +39,15 @@ __global__ void TokensToRowsSendKernel(const char* __restrict__ x, const int32_t
       CopyRow(x + t * row_bytes, remote, row_bytes, lane);
     }
   }
+  for (int64_t n = warp; n < num_rows; n += warps) {
+    bool remote;
+    const char* src = RowSource(x, self_token, row_slot[n], num_tokens, row_bytes, topk, group, &remote);
+    if (!remote) CopyRow(src, out + n * row_bytes, row_bytes, lane);
+  }
   SignalDataSent(group, epoch);
 }
 
+// Fills the layout rows of peers' tokens once all peers' stores have landed.
 __global__ void TokensToRowsExpandKernel(const char* __restrict__ x, const int32_t* __restrict__ self_token,
                                          const int32_t* __restrict__ row_slot, char* __restrict__ out,
                                          int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
@@ -34,15 +57,9 @@ __global__ void TokensToRowsExpandKernel(const char* __restrict__ x, const int32
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t n = blockIdx.x * kWarps + threadIdx.x / 32; n < num_rows; n += warps) {
-    const int32_t slot = row_slot[n];
-    const char* src = nullptr;
-    if (slot >= 0) {
-      const int64_t received = slot / topk;  // r * T + i
-      const int64_t source = received / num_tokens;
-      src = source == group.rank ? x + self_token[received % num_tokens] * row_bytes
-                                 : group.own_buffer + received * row_bytes;
-    }
-    CopyRow(src, out + n * row_bytes, row_bytes, lane);
+    bool remote;
+    const char* src = RowSource(x, self_token, row_slot[n], num_tokens, row_bytes, topk, group, &remote);
+    if (remote) CopyRow(src, out + n * row_bytes, row_bytes, lane);
   }
   FinishTransfer(group, epoch);
 }
@@ -171,8 +188,8 @@ cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
                                int64_t num_rows, int64_t topk, const GroupView& group, cudaStream_t stream) {
   cudaError_t status = LaunchArrive(nullptr, group, stream);
   if (status != cudaSuccess) return status;
-  TokensToRowsSendKernel<<<BlocksFor(num_tokens), kThreads, 0, stream>>>(x, token_dest_pos, num_tokens,
-                                                                          row_bytes, group);
+  TokensToRowsSendKernel<<<BlocksFor(num_tokens > num_rows ? num_tokens : num_rows), kThreads, 0, stream>>>(
+      x, token_dest_pos, self_token, row_slot, out, num_tokens, row_bytes, num_rows, topk, group);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   TokensToRowsExpandKernel<<<BlocksFor(num_rows), kThreads, 0, stream>>>(x, self_token, row_slot, out, num_tokens,
                                                                           row_bytes, num_rows, topk, group);
