@@ -38,6 +38,9 @@ cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
 
 enum class FloatType { kF32, kBF16, kF16 };
 
+// The fused combine keeps a token's delivered rows in shared memory: at most this many slots per token.
+constexpr int kMaxFusedTopk = 64;
+
 // Combine's data movement: for the i-th token received from rank r (i < recv_counts[r]), the float32 sum over
 // k of weights[row] * y[row] with row = recv_rows[r, i, k] >= 0 goes back to rank r once; there
 // out[t] = sum over ranks d of the partial sum for token_dest_pos[t, d] >= 0, rounded to y's type.

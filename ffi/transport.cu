@@ -95,41 +95,55 @@ __global__ void RowsToTokensSendKernel(const T* __restrict__ y, const float* __r
                                        const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
                                        int64_t num_tokens, int64_t hidden, int64_t topk, GroupView group) {
   constexpr int kWide = 16 / sizeof(T);
+  // A token's delivered rows and weights, in k order, for the warp that sums them.
+  __shared__ int32_t held_rows[kWarps][kMaxFusedTopk];
+  __shared__ float held_weights[kWarps][kMaxFusedTopk];
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
+  const int warp_in_block = threadIdx.x / 32;
   const int width = VectorWidth<T>(hidden);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens; w += warps) {
+  for (int64_t w = blockIdx.x * kWarps + warp_in_block; w < group.num_ranks * num_tokens; w += warps) {
     const int source = static_cast<int>(w / num_tokens);
     const int64_t i = w % num_tokens;
     if (i >= recv_counts[source]) continue;
-    const int32_t* rows = recv_rows + w * topk;
+    int held = 0;
+    for (int64_t k0 = 0; k0 < topk; k0 += 32) {
+      const int32_t row = k0 + lane < topk ? recv_rows[w * topk + k0 + lane] : -1;
+      const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
+      if (row >= 0) {
+        const int at = held + __popc(valid & ((1u << lane) - 1));
+        held_rows[warp_in_block][at] = row;
+        held_weights[warp_in_block][at] = weights[row];
+      }
+      held += __popc(valid);
+    }
+    __syncwarp();
     char* base = source == group.rank ? group.own_buffer : group.peers->recv_buffer[source];
     float* dst = reinterpret_cast<float*>(base) + (group.rank * num_tokens + i) * hidden;
     for (int64_t e = lane * width; e < hidden; e += 32 * width) {
       float acc[kWide] = {};
-      for (int64_t k = 0; k < topk; ++k) {
-        const int32_t row = rows[k];
-        if (row < 0) continue;
-        const float weight = weights[row];
-        const T* src = y + row * hidden + e;
+      for (int j = 0; j < held; ++j) {
+        const float weight = held_weights[warp_in_block][j];
+        const T* src = y + held_rows[warp_in_block][j] * hidden + e;
         if (width == kWide) {
           T values[kWide];
           *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(src);
 #pragma unroll
-          for (int j = 0; j < kWide; ++j) acc[j] += weight * ToFloat(values[j]);
+          for (int m = 0; m < kWide; ++m) acc[m] += weight * ToFloat(values[m]);
         } else {
           acc[0] += weight * ToFloat(src[0]);
         }
       }
       if (width % 4 == 0) {
-        for (int j = 0; j < width; j += 4) {
-          *reinterpret_cast<float4*>(dst + e + j) = make_float4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+        for (int m = 0; m < width; m += 4) {
+          *reinterpret_cast<float4*>(dst + e + m) = make_float4(acc[m], acc[m + 1], acc[m + 2], acc[m + 3]);
         }
       } else {
         dst[e] = acc[0];
       }
     }
+    __syncwarp();
   }
   SignalDataSent(group, epoch);
 }

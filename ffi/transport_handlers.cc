@@ -143,6 +143,10 @@ ffi::Error RowsToTokensExecute(cudaStream_t stream, int32_t ordinal, TransportSt
   auto group = FindGroup(kOp, ordinal, state, num_ranks * num_tokens * hidden * sizeof(float), timeout_cycles);
   if (group.has_error()) return group.error();
   if (auto e = CheckRanks(kOp, "recv_rows", num_ranks, group->num_ranks); e.failure()) return e;
+  if (topk > kMaxFusedTopk) {
+    return ffi::Error::InvalidArgument("jax_ep_rows_to_tokens: recv_rows must have at most " + Str(kMaxFusedTopk) +
+                                       " slots per token, got K=" + Str(topk));
+  }
   if (hidden < 0 || weights.element_count() != static_cast<size_t>(y_dims[0]) ||
       recv_counts.element_count() != static_cast<size_t>(num_ranks) || token_dest_pos.dimensions()[0] != num_tokens ||
       token_dest_pos.dimensions()[1] != num_ranks || out->element_count() != static_cast<size_t>(num_tokens * hidden)) {

@@ -26,7 +26,9 @@ except ImportError as _error:  # built without CUDA, or its libraries are missin
 else:
     _import_error = None
 
-COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # fused combine kernel
+# What the fused combine kernel takes; other combines go through the exchange.
+COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_FUSED_TOPK = 64
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
 _state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, capacity_bytes, timeout_cycles
 

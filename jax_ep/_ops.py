@@ -110,7 +110,7 @@ def to_tokens(handle: Handle, y: jax.Array, weights: jax.Array | None) -> jax.Ar
     and rounds once to ``y.dtype``.
     """
     config = handle.config
-    if config.backend == "cuda" and y.dtype in _cuda.COMBINE_DTYPES:
+    if config.backend == "cuda" and y.dtype in _cuda.COMBINE_DTYPES and config.topk <= _cuda.MAX_FUSED_TOPK:
         flat_weights = jnp.ones(y.shape[0], jnp.float32) if weights is None else weights.astype(jnp.float32)
         return _cuda.rows_to_tokens(y, flat_weights, handle)
     recv_rows = handle.recv_rows.reshape(config.num_ranks * config.num_tokens, config.topk)
