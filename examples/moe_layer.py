@@ -79,6 +79,11 @@ def main() -> int:
     )
 
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(AxisType.Auto,))
+    if devices[0].platform == "gpu" and jax_ep.cuda_available():  # backend "auto" then picks "cuda"
+        jax_ep.initialize(mesh, "ep", num_tokens=TOKENS_PER_RANK, hidden=HIDDEN, topk=TOPK, num_experts=num_experts)
+        print("  backend: cuda (NVLink peer stores)")
+    else:
+        print("  backend: xla")
     layer = jax.shard_map(
         functools.partial(moe_layer, num_experts=num_experts),
         mesh=mesh,

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import jax_ep  # noqa: E402
 from jax_ep.nn import MoE  # noqa: E402
 
 VOCAB, SEQ, DIM, HEADS, LAYERS, TOPK = 32, 32, 64, 4, 2, 2
@@ -114,6 +115,9 @@ def main() -> None:
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(AxisType.Auto,))
     num_experts = 2 * len(devices)
+    if devices[0].platform == "gpu" and jax_ep.cuda_available():  # backend "auto" then picks "cuda"
+        tokens_per_rank = args.batch * (SEQ + 1) // len(devices)
+        jax_ep.initialize(mesh, "ep", num_tokens=tokens_per_rank, hidden=DIM, topk=TOPK, num_experts=num_experts)
     batch_sharding = NamedSharding(mesh, P("ep"))
     rng = np.random.default_rng(0)
     eval_seq = jax.device_put(sequences(rng, args.batch), batch_sharding)

@@ -1,6 +1,7 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
 from ._api import combine, default_capacity, dispatch
+from ._cuda import available as cuda_available
 from ._cuda import buffer_size_hint, finalize, initialize
 from ._types import Dispatched, Handle
 
@@ -9,6 +10,7 @@ __all__ = [
     "Handle",
     "buffer_size_hint",
     "combine",
+    "cuda_available",
     "default_capacity",
     "dispatch",
     "finalize",

@@ -34,7 +34,7 @@ _state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, c
 
 
 def available() -> bool:
-    """Whether the CUDA extension was built and loads here."""
+    """Whether the CUDA extension was built and loads here (``jax_ep.cuda_available``)."""
     return _extension is not None
 
 
