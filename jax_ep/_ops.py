@@ -5,8 +5,11 @@ Each token travels once per destination rank, in a send buffer of ``[R, T, H]``
 The receiver expands the tokens into the layout with a gather; combine reduces
 a token's slots on the expert side and sends one row per (token, rank) back.
 The backend only moves rows: ``exchange(buffer [R, rows, ...], counts [R])``
-returns what every rank sent here and how many rows each sent. Every function
-runs on one rank inside ``shard_map``; layout rows are flattened to ``[N, ...]``.
+returns what every rank sent here and how many rows each sent. With backend
+"cuda", the token movement and the combine are instead one fused FFI call each
+(``_cuda.tokens_to_rows`` and ``_cuda.rows_to_tokens``), over the same handle.
+Every function runs on one rank inside ``shard_map``; layout rows are flattened
+to ``[N, ...]``.
 """
 
 from __future__ import annotations
