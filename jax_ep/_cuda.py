@@ -17,6 +17,7 @@ import numpy as np
 
 from ._layout import LocalLayout
 from ._types import Config, Handle
+from ._validate import check_positive_int
 
 try:
     from . import _jax_ep_cuda as _extension
@@ -101,25 +102,39 @@ def initialize(
     """Create the peer-mapped buffers of backend "cuda" for every EP group of ``mesh``.
 
     Each group is the GPUs along ``axis_name`` (the other mesh axes index the
-    groups). Sizes are per rank, as seen inside ``shard_map``: ``num_tokens`` T,
-    ``hidden`` H, ``topk`` K, ``num_experts`` E, and the widest ``dtype`` that is
-    dispatched or combined. A later call with larger shapes fails with a clear
-    error. A rank waiting longer than ``timeout_s`` for its peers gives up and
-    marks the exchange as failed instead of hanging. Calling again replaces the
-    buffers; :func:`finalize` releases them.
+    groups); all of them must belong to this process. Sizes are per rank, as
+    seen inside ``shard_map``: ``num_tokens`` T, ``hidden`` H, ``topk`` K,
+    ``num_experts`` E, and the widest ``dtype`` that is dispatched. A later call
+    with larger shapes fails with a clear error. A rank waiting longer than
+    ``timeout_s`` for its peers gives up instead of hanging (that call's outputs
+    are then invalid). Calling again replaces the buffers; :func:`finalize`
+    releases them.
     """
-    _register()
+    sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
+    sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
+    if not timeout_s > 0:
+        raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
     if axis_name not in mesh.axis_names:
         raise ValueError(f"jax_ep.initialize: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-    if any(device.platform != "gpu" for device in mesh.devices.flat):
-        raise ValueError("jax_ep.initialize: backend 'cuda' needs a mesh of GPUs")
+    platforms = sorted({device.platform for device in mesh.devices.flat})
+    if platforms != ["gpu"]:
+        raise ValueError(f"jax_ep.initialize: backend 'cuda' needs a mesh of GPUs, got devices of {platforms}")
+    if any(device.process_index != jax.process_index() for device in mesh.devices.flat):
+        raise ValueError(
+            "jax_ep.initialize: every GPU of the mesh must belong to this process (one process per GPU "
+            "is not supported yet)"
+        )
     axis = mesh.axis_names.index(axis_name)
     num_ranks = mesh.devices.shape[axis]
+    if sizes["num_experts"] % num_ranks:
+        raise ValueError(
+            f"jax_ep.initialize: num_experts must be a multiple of the size of axis {axis_name!r}; "
+            f"expected a multiple of {num_ranks}, got {num_experts}"
+        )
+    _register()
     ordinals = np.vectorize(lambda device: device.local_hardware_id)(mesh.devices)
     groups = np.moveaxis(ordinals, axis, -1).reshape(-1, num_ranks).tolist()
-    capacity = buffer_size_hint(
-        num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts, dtype=dtype
-    )
+    capacity = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
     _state.clear()
     _extension.initialize(groups, capacity)
     _state.update(
