@@ -15,4 +15,4 @@ fi
 grep "jax_ep:" "$OUT/build.log"
 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py tests/test_cuda_trace.py -x \
   2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|Error|passed|failed"
-timeout 240 python3 bench/bench_dispatch.py "$OUT/bench_dispatch.json" 2>&1 | tee "$OUT/bench.log"
+timeout 300 python3 bench/bench_dispatch.py "$OUT/bench_dispatch.json" 2>&1 | tee "$OUT/bench.log"
