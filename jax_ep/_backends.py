@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from types import ModuleType
 
+from . import _cuda, _xla
 from ._validate import check_choice
 
 BACKENDS = ("auto", "xla", "cuda")
@@ -15,8 +16,6 @@ def resolve(backend: str, axis_name: Hashable, num_ranks: int) -> str:
     check_choice("backend", backend, BACKENDS)
     if backend == "xla":
         return "xla"
-    from . import _cuda
-
     reason = _cuda.not_ready_reason(axis_name, num_ranks)
     if backend == "cuda" and reason:
         raise ValueError(f"jax_ep: backend='cuda' cannot run here: {reason}")
@@ -25,10 +24,4 @@ def resolve(backend: str, axis_name: Hashable, num_ranks: int) -> str:
 
 def module(backend: str) -> ModuleType:
     """The module with ``exchange`` and ``local_layout`` for a resolved backend."""
-    if backend == "cuda":
-        from . import _cuda
-
-        return _cuda
-    from . import _xla
-
-    return _xla
+    return _cuda if backend == "cuda" else _xla

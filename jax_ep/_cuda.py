@@ -31,7 +31,7 @@ else:
 COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_FUSED_TOPK = 64
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
-_state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, capacity_bytes, timeout_cycles
+_state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, timeout_cycles
 
 
 def available() -> bool:
@@ -137,12 +137,7 @@ def initialize(
     capacity = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
     _state.clear()
     _extension.initialize(groups, capacity)
-    _state.update(
-        axis_name=axis_name,
-        num_ranks=num_ranks,
-        capacity_bytes=capacity,
-        timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND),
-    )
+    _state.update(axis_name=axis_name, num_ranks=num_ranks, timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND))
 
 
 def finalize() -> None:

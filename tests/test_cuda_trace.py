@@ -17,7 +17,7 @@ TARGETS = ("jax_ep_routing_layout", "jax_ep_exchange", "jax_ep_tokens_to_rows", 
 def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, layout):
     import jax_ep
 
-    monkeypatch.setattr(_cuda, "_state", {"axis_name": "ep", "num_ranks": 2, "capacity_bytes": 1, "timeout_cycles": 1})
+    monkeypatch.setattr(_cuda, "_state", {"axis_name": "ep", "num_ranks": 2, "timeout_cycles": 1})
 
     def moe(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", layout=layout, backend="cuda")
