@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the extension, run the GPU tests and the benchmark, write results under $OUT.
-#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh [python -m jax_ep.bench arguments; default --suite training]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export JAX_EP_COMMAND="bash bench/device_run.sh $*"
@@ -15,4 +15,6 @@ fi
 grep "jax_ep:" "$OUT/build.log"
 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py tests/test_cuda_trace.py -x \
   2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|Error|passed|failed"
-timeout 300 python3 bench/bench_dispatch.py "$OUT/bench_dispatch.json" 2>&1 | tee "$OUT/bench.log"
+bench_args=("$@")
+[ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training)
+timeout 400 python3 -m jax_ep.bench "$OUT/bench.json" "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log"

@@ -12,8 +12,7 @@ from tempfile import TemporaryDirectory
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from record import provenance, write  # noqa: E402
+from jax_ep.bench.record import provenance, write
 
 
 def main() -> int:

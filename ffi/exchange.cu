@@ -16,7 +16,7 @@ __global__ void ArriveKernel(const int32_t* __restrict__ send_counts, GroupView 
   WaitFor(&group.signals->arrive[peer], epoch, group);
 }
 
-__global__ void ExchangeSendKernel(const char* __restrict__ send, const int32_t* __restrict__ send_counts,
+__global__ void __launch_bounds__(kThreads) ExchangeSendKernel(const char* __restrict__ send, const int32_t* __restrict__ send_counts,
                                    int64_t rows, int64_t row_bytes, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
@@ -31,7 +31,7 @@ __global__ void ExchangeSendKernel(const char* __restrict__ send, const int32_t*
   SignalDataSent(group, epoch);
 }
 
-__global__ void ExchangeReceiveKernel(const char* __restrict__ send, char* __restrict__ recv,
+__global__ void __launch_bounds__(kThreads) ExchangeReceiveKernel(const char* __restrict__ send, char* __restrict__ recv,
                                       int32_t* __restrict__ recv_counts, int64_t rows, int64_t row_bytes,
                                       GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
@@ -60,7 +60,7 @@ cudaError_t LaunchExchange(const char* send, const int32_t* send_counts, char* r
                            int64_t rows, int64_t row_bytes, const GroupView& group, cudaStream_t stream) {
   cudaError_t status = LaunchArrive(send_counts, group, stream);
   if (status != cudaSuccess) return status;
-  const unsigned blocks = BlocksFor(group.num_ranks * rows);
+  const unsigned blocks = BlocksFor(group.num_ranks * rows, group);
   ExchangeSendKernel<<<blocks, kThreads, 0, stream>>>(send, send_counts, rows, row_bytes, group);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   ExchangeReceiveKernel<<<blocks, kThreads, 0, stream>>>(send, recv, recv_counts, rows, row_bytes, group);

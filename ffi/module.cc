@@ -86,13 +86,22 @@ NB_MODULE(_jax_ep_cuda, m) {
   });
   m.def(
       "initialize",
-      [](const std::vector<std::vector<int>>& groups, size_t capacity_bytes) {
-        const std::string error = jax_ep::InitializeResources(groups, capacity_bytes);
+      [](const std::vector<std::vector<int>>& groups, size_t capacity_bytes, int num_sms) {
+        int sms_used = 0;
+        const std::string error = jax_ep::InitializeResources(groups, capacity_bytes, num_sms, &sms_used);
         if (!error.empty()) throw std::runtime_error(error);
+        return sms_used;
       },
-      nb::arg("groups"), nb::arg("capacity_bytes"));
+      nb::arg("groups"), nb::arg("capacity_bytes"), nb::arg("num_sms"));
   m.def("finalize", &jax_ep::ReleaseResources);
   m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
+  m.def("cuda_versions", []() {
+    int runtime = 0, driver = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess || cudaDriverGetVersion(&driver) != cudaSuccess) {
+      throw std::runtime_error("jax_ep: cudaRuntimeGetVersion/cudaDriverGetVersion failed");
+    }
+    return std::vector<int>{runtime, driver};
+  });
   m.def("nccl_version", []() {
     int version = 0;
     if (ncclGetVersion(&version) != ncclSuccess) throw std::runtime_error("jax_ep: ncclGetVersion failed");

@@ -23,7 +23,7 @@ struct DeviceGuard {
 
 }  // namespace
 
-std::string Resources::Initialize(const std::vector<std::vector<int>>& groups, size_t capacity_bytes) {
+std::string Resources::Initialize(const std::vector<std::vector<int>>& groups, size_t capacity_bytes, int num_sms) {
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceGuard guard;
   for (const auto& group : groups) {
@@ -45,6 +45,10 @@ std::string Resources::Initialize(const std::vector<std::vector<int>>& groups, s
       device.capacity_bytes = capacity_bytes;
       cudaError_t status = cudaSetDevice(ordinal);
       if (status != cudaSuccess) return CudaError("cudaSetDevice", ordinal, status);
+      int device_sms = 0;
+      status = cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ordinal);
+      if (status != cudaSuccess) return CudaError("cudaDeviceGetAttribute(MultiProcessorCount)", ordinal, status);
+      device.num_sms = num_sms > 0 && num_sms < device_sms ? num_sms : device_sms;
       for (int peer : group) {
         if (peer == ordinal) continue;
         int can_access = 0;
@@ -95,6 +99,15 @@ void Resources::Release() {
   devices_.clear();
 }
 
+int Resources::MinSms() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int fewest = 0;
+  for (const auto& [ordinal, device] : devices_) {
+    if (fewest == 0 || device.num_sms < fewest) fewest = device.num_sms;
+  }
+  return fewest;
+}
+
 const DeviceResources* Resources::Find(int ordinal) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = devices_.find(ordinal);
@@ -106,14 +119,16 @@ std::shared_ptr<Resources> CurrentResources() {
   return current;
 }
 
-std::string InitializeResources(const std::vector<std::vector<int>>& groups, size_t capacity_bytes) {
+std::string InitializeResources(const std::vector<std::vector<int>>& groups, size_t capacity_bytes, int num_sms,
+                                int* sms_used) {
   ReleaseResources();
   auto resources = std::make_shared<Resources>();
-  std::string error = resources->Initialize(groups, capacity_bytes);
+  std::string error = resources->Initialize(groups, capacity_bytes, num_sms);
   if (!error.empty()) {
     resources->Release();
     return error;
   }
+  *sms_used = resources->MinSms();
   std::lock_guard<std::mutex> lock(current_mutex);
   current = std::move(resources);
   return "";

@@ -12,7 +12,9 @@
 
 namespace jax_ep {
 
-constexpr int kThreads = 256;
+// Threads per block of every transfer kernel. A kernel launches at most one block per SM of the budget,
+// so it occupies at most that many SMs.
+constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 
 __device__ inline uint64_t LoadAcquire(const uint64_t* flag) {
@@ -55,9 +57,11 @@ __device__ inline bool LastBlockDone(uint32_t* counter) {
   return last && threadIdx.x == 0;
 }
 
-// Send kernels end here: the last block raises this rank's data flag on every peer.
+// Send kernels end here: the last block resets the work lists and raises this rank's data flag on every peer.
 __device__ inline void SignalDataSent(const GroupView& group, uint64_t epoch) {
   if (LastBlockDone(&group.signals->blocks_done[0])) {
+    group.signals->items_taken[0] = 0;
+    group.signals->items_taken[1] = 0;
     for (int peer = 0; peer < group.num_ranks; ++peer) {
       StoreRelease(&group.peers->signals[peer]->data[group.rank], epoch);
     }
@@ -102,10 +106,42 @@ __device__ inline void CopyRow(const char* __restrict__ src, char* __restrict__ 
   }
 }
 
-// Grid size for one warp per unit of work, capped at two waves of an H100/H200.
-inline unsigned BlocksFor(int64_t units) {
+// A send kernel's two work lists: peer items (stores to other GPUs over NVLink) and local items (writes
+// to this GPU's memory). Warps take kItemsPerTake items at a time from counters in the signals. Even
+// blocks start on the peer list and odd blocks on the local one; a warp whose list runs dry helps with
+// the other, so NVLink and local memory stay busy at the same time and no warp idles at the end.
+constexpr int kItemsPerTake = 4;
+
+template <typename PeerItem, typename LocalItem>
+__device__ inline void DrainWorkLists(const GroupView& group, int64_t num_peer_items, int64_t num_local_items,
+                                      PeerItem peer_item, LocalItem local_item) {
+  const int lane = threadIdx.x % 32;
+  const bool peer_first = blockIdx.x % 2 == 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool peer = (pass == 0) == peer_first;
+    const int64_t count = peer ? num_peer_items : num_local_items;
+    uint32_t* taken = &group.signals->items_taken[peer ? 0 : 1];
+    while (true) {
+      int64_t first = 0;
+      if (lane == 0) first = atomicAdd(taken, static_cast<uint32_t>(kItemsPerTake));
+      first = __shfl_sync(0xffffffffu, first, 0);
+      if (first >= count) break;
+      const int64_t end = first + kItemsPerTake < count ? first + kItemsPerTake : count;
+      for (int64_t item = first; item < end; ++item) {
+        if (peer) {
+          peer_item(item);
+        } else {
+          local_item(item);
+        }
+      }
+    }
+  }
+}
+
+// Grid size for one warp per unit of work, at most the group's block budget.
+inline unsigned BlocksFor(int64_t units, const GroupView& group) {
   const int64_t blocks = (units + kWarps - 1) / kWarps;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 264 ? 264 : blocks));
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > group.max_blocks ? group.max_blocks : blocks));
 }
 
 }  // namespace jax_ep

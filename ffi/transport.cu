@@ -21,34 +21,35 @@ __device__ inline const char* RowSource(const char* x, const int32_t* self_token
   return group.own_buffer + received * row_bytes;
 }
 
-// Sends each token once to every peer rank it is routed to, then fills the layout rows that need no
-// peer data (padding and this rank's own tokens) while the peers' stores are in flight.
-__global__ void TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
-                                       const int32_t* __restrict__ self_token, const int32_t* __restrict__ row_slot,
-                                       char* __restrict__ out, int64_t num_tokens, int64_t row_bytes,
-                                       int64_t num_rows, int64_t topk, GroupView group) {
+// Sends each token once to every peer rank it is routed to (peer items: (token, rank) pairs) while
+// filling the layout rows that need no peer data (local items: padding and this rank's own tokens).
+__global__ void __launch_bounds__(kThreads)
+    TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
+                           const int32_t* __restrict__ self_token, const int32_t* __restrict__ row_slot,
+                           char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows,
+                           int64_t topk, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * kWarps + threadIdx.x / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = warp; t < num_tokens; t += warps) {
-    for (int dest = 0; dest < group.num_ranks; ++dest) {
-      const int32_t pos = token_dest_pos[t * group.num_ranks + dest];
-      if (dest == group.rank || pos < 0) continue;
-      char* remote = group.peers->recv_buffer[dest] + (group.rank * num_tokens + pos) * row_bytes;
-      CopyRow(x + t * row_bytes, remote, row_bytes, lane);
-    }
-  }
-  for (int64_t n = warp; n < num_rows; n += warps) {
+  const int num_ranks = group.num_ranks;
+  auto send_token = [&](int64_t pair) {
+    const int64_t t = pair / num_ranks;
+    const int dest = static_cast<int>(pair % num_ranks);
+    const int32_t pos = token_dest_pos[pair];
+    if (dest == group.rank || pos < 0) return;
+    char* remote = group.peers->recv_buffer[dest] + (group.rank * num_tokens + pos) * row_bytes;
+    CopyRow(x + t * row_bytes, remote, row_bytes, lane);
+  };
+  auto fill_local_row = [&](int64_t n) {
     bool remote;
     const char* src = RowSource(x, self_token, row_slot[n], num_tokens, row_bytes, topk, group, &remote);
     if (!remote) CopyRow(src, out + n * row_bytes, row_bytes, lane);
-  }
+  };
+  DrainWorkLists(group, num_tokens * num_ranks, num_rows, send_token, fill_local_row);
   SignalDataSent(group, epoch);
 }
 
 // Fills the layout rows of peers' tokens once all peers' stores have landed.
-__global__ void TokensToRowsExpandKernel(const char* __restrict__ x, const int32_t* __restrict__ self_token,
+__global__ void __launch_bounds__(kThreads) TokensToRowsExpandKernel(const char* __restrict__ x, const int32_t* __restrict__ self_token,
                                          const int32_t* __restrict__ row_slot, char* __restrict__ out,
                                          int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
                                          GroupView group) {
@@ -90,10 +91,13 @@ __device__ inline int VectorWidth(int64_t hidden) {
   return hidden % kWide == 0 ? kWide : 1;
 }
 
+// Sums each received token's delivered rows in float32 and stores the sum in its source rank's buffer
+// (peer items: tokens from other ranks, over NVLink; local items: this rank's own tokens).
 template <typename T>
-__global__ void RowsToTokensSendKernel(const T* __restrict__ y, const float* __restrict__ weights,
-                                       const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
-                                       int64_t num_tokens, int64_t hidden, int64_t topk, GroupView group) {
+__global__ void __launch_bounds__(kThreads)
+    RowsToTokensSendKernel(const T* __restrict__ y, const float* __restrict__ weights,
+                           const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
+                           int64_t num_tokens, int64_t hidden, int64_t topk, GroupView group) {
   constexpr int kWide = 16 / sizeof(T);
   // A token's delivered rows and weights, in k order, for the warp that sums them.
   __shared__ int32_t held_rows[kWarps][kMaxFusedTopk];
@@ -102,11 +106,9 @@ __global__ void RowsToTokensSendKernel(const T* __restrict__ y, const float* __r
   const int lane = threadIdx.x % 32;
   const int warp_in_block = threadIdx.x / 32;
   const int width = VectorWidth<T>(hidden);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + warp_in_block; w < group.num_ranks * num_tokens; w += warps) {
-    const int source = static_cast<int>(w / num_tokens);
-    const int64_t i = w % num_tokens;
-    if (i >= recv_counts[source]) continue;
+  auto sum_token = [&](int source, int64_t i) {
+    if (i >= recv_counts[source]) return;
+    const int64_t w = source * num_tokens + i;
     int held = 0;
     for (int64_t k0 = 0; k0 < topk; k0 += 32) {
       const int32_t row = k0 + lane < topk ? recv_rows[w * topk + k0 + lane] : -1;
@@ -144,12 +146,18 @@ __global__ void RowsToTokensSendKernel(const T* __restrict__ y, const float* __r
       }
     }
     __syncwarp();
-  }
+  };
+  auto sum_peer_token = [&](int64_t item) {
+    const int source = static_cast<int>(item / num_tokens);
+    if (source != group.rank) sum_token(source, item % num_tokens);
+  };
+  auto sum_own_token = [&](int64_t i) { sum_token(group.rank, i); };
+  DrainWorkLists(group, group.num_ranks * num_tokens, num_tokens, sum_peer_token, sum_own_token);
   SignalDataSent(group, epoch);
 }
 
 template <typename T>
-__global__ void RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out,
+__global__ void __launch_bounds__(kThreads) RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out,
                                          int64_t num_tokens, int64_t hidden, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
@@ -187,11 +195,11 @@ cudaError_t LaunchRowsToTokensTyped(const T* y, const float* weights, const int3
                                     cudaStream_t stream) {
   cudaError_t status = LaunchArrive(nullptr, group, stream);
   if (status != cudaSuccess) return status;
-  RowsToTokensSendKernel<T><<<BlocksFor(group.num_ranks * num_tokens), kThreads, 0, stream>>>(
+  RowsToTokensSendKernel<T><<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
       y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, group);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   RowsToTokensReduceKernel<T>
-      <<<BlocksFor(num_tokens), kThreads, 0, stream>>>(token_dest_pos, out, num_tokens, hidden, group);
+      <<<BlocksFor(num_tokens, group), kThreads, 0, stream>>>(token_dest_pos, out, num_tokens, hidden, group);
   return cudaGetLastError();
 }
 
@@ -202,10 +210,10 @@ cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
                                int64_t num_rows, int64_t topk, const GroupView& group, cudaStream_t stream) {
   cudaError_t status = LaunchArrive(nullptr, group, stream);
   if (status != cudaSuccess) return status;
-  TokensToRowsSendKernel<<<BlocksFor(num_tokens > num_rows ? num_tokens : num_rows), kThreads, 0, stream>>>(
+  TokensToRowsSendKernel<<<BlocksFor(num_tokens * group.num_ranks + num_rows, group), kThreads, 0, stream>>>(
       x, token_dest_pos, self_token, row_slot, out, num_tokens, row_bytes, num_rows, topk, group);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
-  TokensToRowsExpandKernel<<<BlocksFor(num_rows), kThreads, 0, stream>>>(x, self_token, row_slot, out, num_tokens,
+  TokensToRowsExpandKernel<<<BlocksFor(num_rows, group), kThreads, 0, stream>>>(x, self_token, row_slot, out, num_tokens,
                                                                           row_bytes, num_rows, topk, group);
   return cudaGetLastError();
 }

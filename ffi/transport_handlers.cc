@@ -59,8 +59,8 @@ ffi::ErrorOr<GroupView> FindGroup(const char* op, int32_t ordinal, const Transpo
                                                               "reserved " +
             Str(device->capacity_bytes) + "; initialize with larger sizes (see jax_ep.buffer_size_hint)"));
   }
-  return GroupView{device->rank,    device->num_ranks, device->recv_buffer,
-                   device->signals, device->peers,     timeout_cycles};
+  return GroupView{device->rank,  device->num_ranks, device->recv_buffer, device->signals,
+                   device->peers, timeout_cycles,    device->num_sms};
 }
 
 ffi::Error LaunchError(const char* op, cudaError_t status) {

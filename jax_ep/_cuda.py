@@ -64,6 +64,12 @@ def nccl_version() -> int:
     return _extension.nccl_version()
 
 
+def cuda_versions() -> tuple[int, int]:
+    """CUDA runtime and driver version codes the extension sees (e.g. 13000 for 13.0)."""
+    _register()
+    return tuple(_extension.cuda_versions())
+
+
 @functools.cache
 def _register() -> None:
     if _extension is None:
@@ -98,7 +104,8 @@ def initialize(
     num_experts: int,
     dtype: Any = jnp.float32,
     timeout_s: float = 60.0,
-) -> None:
+    num_sms: int | None = None,
+) -> int:
     """Create the peer-mapped buffers of backend "cuda" for every EP group of ``mesh``.
 
     Each group is the GPUs along ``axis_name`` (the other mesh axes index the
@@ -109,11 +116,18 @@ def initialize(
     ``timeout_s`` for its peers gives up instead of hanging (that call's outputs
     are then invalid). Calling again replaces the buffers; :func:`finalize`
     releases them.
+
+    ``num_sms`` caps the SMs each transfer kernel occupies (one block of 1024
+    threads per SM); the rest of the GPU stays free for compute that overlaps
+    the exchange. ``None`` lets the kernels use every SM. Returns the number of
+    SMs the kernels may use (the fewest over the mesh's GPUs).
     """
     sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
     sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
     if not timeout_s > 0:
         raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
+    if num_sms is not None:
+        num_sms = check_positive_int("num_sms", num_sms)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"jax_ep.initialize: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     platforms = sorted({device.platform for device in mesh.devices.flat})
@@ -136,8 +150,9 @@ def initialize(
     groups = np.moveaxis(ordinals, axis, -1).reshape(-1, num_ranks).tolist()
     capacity = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
     _state.clear()
-    _extension.initialize(groups, capacity)
+    sms = _extension.initialize(groups, capacity, num_sms or 0)
     _state.update(axis_name=axis_name, num_ranks=num_ranks, timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND))
+    return sms
 
 
 def finalize() -> None:

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 pytestmark = require_cuda(min_gpus=2)
 
 R = 2
-MAX_TOKENS, MAX_HIDDEN, MAX_TOPK, MAX_EXPERTS = 512, 7168, 8, 256
+MAX_TOKENS = 512
+SIZES = dict(num_tokens=MAX_TOKENS, hidden=7168, topk=8, num_experts=256, dtype=jnp.float32, timeout_s=20.0)
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,7 @@ def mesh():
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpu_devices()[:R])
-    jax_ep.initialize(
-        mesh,
-        "ep",
-        num_tokens=MAX_TOKENS,
-        hidden=MAX_HIDDEN,
-        topk=MAX_TOPK,
-        num_experts=MAX_EXPERTS,
-        dtype=jnp.float32,
-        timeout_s=20.0,
-    )
+    jax_ep.initialize(mesh, "ep", **SIZES)
     yield mesh
     jax_ep.finalize()
 
@@ -92,8 +84,11 @@ CASES = [
 def test_cuda_matches_xla(mesh, dtype, kind, tokens, hidden, topk, experts, layout, capacity, alignment):
     x, idx, w = _inputs(kind, tokens, hidden, topk, experts, dtype, seed=tokens + hidden)
     kw = dict(num_experts=experts, layout=layout, capacity=capacity, expert_alignment=alignment)
-    cuda = _run(mesh, "cuda", x, idx, w, **kw)
-    xla = _run(mesh, "xla", x, idx, w, **kw)
+    _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), dtype)
+
+
+def _assert_same(cuda, xla, dtype):
+    """Dispatch outputs and handle bit for bit; combine within float32 rounding (bf16 rounding for bf16)."""
     names = ["x", "weights", "group_sizes", "num_dropped/num_invalid", "handle"]
     for name, got, want in zip(names, cuda[:5], xla[:5], strict=True):
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -102,6 +97,22 @@ def test_cuda_matches_xla(mesh, dtype, kind, tokens, hidden, topk, experts, layo
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(out_cuda, out_xla, rtol=tol, atol=tol)
     assert np.abs(out_xla).sum() > 0
+
+
+@pytest.mark.parametrize("num_sms", [1, 3])
+def test_small_sm_budget_gives_the_same_results(mesh, num_sms):
+    """One block (peer list first, then local) and three (both lists from the start) move the same data."""
+    import jax_ep
+
+    x, idx, w = _inputs("messy", 300, 2048, 8, 32, jnp.bfloat16, seed=num_sms)
+    kw = dict(num_experts=32, layout="ragged", expert_alignment=2)
+    xla = _run(mesh, "xla", x, idx, w, **kw)
+    try:
+        assert jax_ep.initialize(mesh, "ep", **SIZES, num_sms=num_sms) == num_sms
+        cuda = _run(mesh, "cuda", x, idx, w, **kw)
+    finally:
+        jax_ep.initialize(mesh, "ep", **SIZES)
+    _assert_same(cuda, xla, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
@@ -160,6 +171,6 @@ def test_exchange_rewrites_every_call(mesh):
 
 
 def test_too_large_for_buffers_is_a_clear_error(mesh):
-    x, idx, w = _inputs("uniform", MAX_TOKENS * 4, MAX_HIDDEN, 8, 256, jnp.float32, seed=1)
+    x, idx, w = _inputs("uniform", MAX_TOKENS * 4, SIZES["hidden"], 8, 256, jnp.float32, seed=1)
     with pytest.raises(Exception, match="reserved"):
         jax.block_until_ready(_run(mesh, "cuda", x, idx, w, num_experts=256))

@@ -32,6 +32,13 @@ def test_timeout_must_be_positive():
         jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, timeout_s=0)
 
 
+def test_num_sms_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="num_sms must be a positive int, got 0"):
+        jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, num_sms=0)
+    with pytest.raises(TypeError, match="num_sms must be an int, got 1.5"):
+        jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, num_sms=1.5)
+
+
 def test_buffer_size_hint_covers_every_transfer():
     hint = jax_ep.buffer_size_hint(num_ranks=2, num_tokens=16, hidden=8, topk=2, num_experts=8, dtype=jnp.bfloat16)
     # float32 combine partial sums dominate: R * T * H * 4 bytes

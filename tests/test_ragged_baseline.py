@@ -1,8 +1,5 @@
 """The benchmark's ragged_all_to_all baseline computes what jax_ep's dispatch + combine compute (CPU, emulated)."""
 
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
@@ -10,9 +7,7 @@ from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-from ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip  # noqa: E402
+from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
 
 
 @pytest.mark.parametrize("ranks,tokens,topk,experts", [(1, 5, 3, 4), (2, 16, 4, 8), (4, 8, 2, 16), (8, 6, 2, 8)])

@@ -38,6 +38,7 @@ def provenance(command: str) -> dict:
     }
     if _cuda.available():
         info["nccl"] = _cuda.nccl_version()
+        info["cuda_runtime"], info["cuda_driver"] = _cuda.cuda_versions()
     return info
 
 

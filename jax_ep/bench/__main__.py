@@ -1,15 +1,17 @@
 """Time dispatch and combine next to a plain CUDA peer copy of the same bytes and a ragged_all_to_all baseline.
 
-    python bench/bench_dispatch.py OUT.json [--suite training|decode|sweep|all]
+    python -m jax_ep.bench OUT.json [--suite training|decode|sweep|sms|all]
 
 training: T=4096 tokens per rank, H=7168, K=8, E=256, bf16, ragged layout, capacity=None, uniform routing;
-          cuda and xla backends, the MaxText-style ragged_all_to_all round trip (bench/ragged_baseline.py)
-          with XLA's one-shot kernel flag true and false, and a cudaMemcpyPeerAsync of the remote bytes.
+          cuda and xla backends, the MaxText-style ragged_all_to_all round trip (ragged_baseline.py) with
+          XLA's one-shot kernel flag true and false, and a cudaMemcpyPeerAsync of the remote bytes.
 decode:   T=128, expert layout, --decode-capacity rows per local expert.
 sweep:    T in {128, 512, 2048, 4096, 8192} x H in {2048, 4096, 7168}; also writes OUT.png (GB/s vs tokens).
+sms:      the training shape with the cuda kernels limited to --sms SMs (jax_ep.initialize(num_sms=...)).
 
-Each op runs ``iters`` times inside one jitted ``fori_loop`` (the routing shifts every iteration, so nothing
-is loop-invariant); time per call = (wall(1 + iters calls) - wall(1 call)) / iters, so host overhead cancels.
+Each op runs inside one jitted ``fori_loop`` (the routing shifts every iteration, so nothing is loop-invariant);
+time per call = (wall(1 + n calls) - wall(1 call)) / n, so host overhead cancels; n starts at --iters and grows
+until the n calls take at least 20 ms.
 GB/s counts the remote bytes: deduplicated (token, remote rank) pairs x H x 2.
 """
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 RAGGED_FLAG = "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel"
-if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set it before jax starts
+if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set it before jax starts a backend
     flag = sys.argv[sys.argv.index("--ragged-flag") + 1]
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {RAGGED_FLAG}={flag}"
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -34,14 +36,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip  # noqa: E402
-from record import provenance, write  # noqa: E402
-
 import jax_ep  # noqa: E402
-from jax_ep import _backends  # noqa: E402
+from jax_ep import _backends, _cuda  # noqa: E402
+from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip  # noqa: E402
+from jax_ep.bench.record import provenance, write  # noqa: E402
 
 TOPK, EXPERTS = 8, 256
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", flush=True)
 
 
 def _wall(fn, args) -> float:
@@ -55,17 +60,25 @@ def _wall(fn, args) -> float:
 
 
 def seconds_per_call(step, args, iters: int) -> float:
-    """Device seconds of one ``step(i, *args)`` (returns a float32 scalar), from jitted loops."""
+    """Device seconds of one ``step(i, *args)`` (returns a float32 scalar), from a jitted loop.
 
-    def looped(count):
-        def body(*args):
-            zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("ep",), to="varying")
-            total = jax.lax.fori_loop(0, count, lambda i, acc: acc + step(i, *args), zero)
-            return total[None]
+    The loop's trip count is an argument, so one compiled loop serves every count; ``iters`` grows
+    until the extra calls take at least 20 ms, which keeps host timer noise under about 1%.
+    """
 
-        return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
+    def body(count, *args):
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("ep",), to="varying")
+        total = jax.lax.fori_loop(0, count, lambda i, acc: acc + step(i, *args), zero)
+        return total[None]
 
-    return (_wall(looped(1 + iters), args) - _wall(looped(1), args)) / iters
+    specs = (P(), *(P("ep"),) * len(args))
+    looped = jax.jit(jax.shard_map(body, in_specs=specs, out_specs=P("ep")))
+    once = _wall(looped, (jnp.int32(1), *args))
+    while True:
+        extra = _wall(looped, (jnp.int32(1 + iters), *args)) - once
+        if extra > 0.02 or iters >= 20_000:
+            return extra / iters
+        iters *= 4
 
 
 def make_inputs(ranks: int, tokens: int, hidden: int, seed: int = 0):
@@ -119,6 +132,15 @@ def time_backend(backend, x, idx, w, *, layout="ragged", capacity=None, detail=F
     return {name: seconds_per_call(step, args, iters) * 1e6 for name, step, args in steps}
 
 
+def with_rates(result: dict, remote_bytes: int, copy_us: float) -> dict:
+    """Adds GB/s of remote bytes and the share of the peer copy's bandwidth to dispatch and combine timings."""
+    for op in ("dispatch", "combine"):
+        us = result[f"{op}_us"]
+        result[f"{op}_gbps"] = remote_bytes / us / 1e3
+        result[f"{op}_pct_of_copy"] = 100 * copy_us / us
+    return result
+
+
 def time_ragged(x, idx, w, *, exchange, iters=20) -> dict:
     """Device µs of the ragged_all_to_all round trip (dispatch + combine), checked against the exact result."""
 
@@ -139,34 +161,40 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
     results = {}
     for flag in ("true", "false"):
         part = args.out.with_suffix(f".ragged_{flag}.json")
-        command = [sys.executable, __file__, str(part), "--ragged-flag", flag, "--hidden", str(hidden)]
+        command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag, "--hidden", str(hidden)]
         command += ["--ragged-tokens", ",".join(map(str, tokens_list)), "--iters", str(args.iters)]
         command += ["--platform", args.platform]
-        print(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}", flush=True)
+        progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
         done = subprocess.run(command, check=False)
         results[flag] = json.loads(part.read_text()) if done.returncode == 0 else {"error": f"exit {done.returncode}"}
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--suite", default="training", choices=("training", "decode", "sweep", "all"))
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="JSON results (and OUT.png with the sweep)")
+    parser.add_argument("--suite", default="all", choices=("training", "decode", "sweep", "sms", "all"))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--sweep-tokens", default="128,512,2048,4096,8192")
     parser.add_argument("--sweep-hidden", default="2048,4096,7168")
+    parser.add_argument("--sms", default="8,16,32,64", help="SM budgets of the sms suite (plus all SMs)")
     parser.add_argument("--decode-capacity", type=int, default=32, help="rows per local expert at T=128")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--backends", default="cuda,xla")
     parser.add_argument("--platform", default="gpu", help="cpu: a dry run (xla backend, emulated ragged exchange)")
     parser.add_argument("--ragged-flag", choices=("true", "false"), help=argparse.SUPPRESS)
     parser.add_argument("--ragged-tokens", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    sweep_tokens = [int(v) for v in args.sweep_tokens.split(",")]
-    sweep_hidden = [int(v) for v in args.sweep_hidden.split(",")]
+    return parser.parse_args()
 
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> None:
+    args = parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     devices = jax.devices(args.platform)[:2]
     ranks = len(devices)
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
@@ -175,77 +203,94 @@ def main() -> None:
     if args.ragged_flag:  # child: only the ragged baseline
         out = {}
         with jax.set_mesh(mesh):
-            for tokens in map(int, args.ragged_tokens.split(",")):
+            for tokens in ints(args.ragged_tokens):
                 x, idx, w, _ = make_inputs(ranks, tokens, args.hidden)
                 out[tokens] = time_ragged(x, idx, w, exchange=exchange, iters=args.iters)
-                print(f"  T={tokens}: {out[tokens]}", flush=True)
+                progress(f"  T={tokens}: {out[tokens]}")
         args.out.write_text(json.dumps(out))
         return
 
     backends = args.backends.split(",")
-    suites = ("training", "decode", "sweep") if args.suite == "all" else (args.suite,)
-    sweep = args.suite in ("sweep", "all")
-    max_tokens = max(sweep_tokens + [args.tokens, 128])
-    max_hidden = max(sweep_hidden + [args.hidden]) if sweep else args.hidden
-    if "cuda" in backends:
-        jax_ep.initialize(mesh, "ep", num_tokens=max_tokens, hidden=max_hidden, topk=TOPK, num_experts=EXPERTS)
+    suites = ("training", "decode", "sweep", "sms") if args.suite == "all" else (args.suite,)
+    sweep_tokens, sweep_hidden = ints(args.sweep_tokens), ints(args.sweep_hidden)
+    if "sweep" not in suites:
+        sweep_tokens, sweep_hidden = [], []
+    max_tokens = max([*sweep_tokens, args.tokens, 128])
+    max_hidden = max([*sweep_hidden, args.hidden])
+    cuda_sizes = dict(num_tokens=max_tokens, hidden=max_hidden, topk=TOPK, num_experts=EXPERTS)
+    all_sms = jax_ep.initialize(mesh, "ep", **cuda_sizes) if "cuda" in backends else None
 
     def peer_copy_us(nbytes: int) -> float:
         if args.platform != "gpu":
             return float("nan")
         ids = (devices[0].local_hardware_id, devices[1].local_hardware_id)
-        return jax_ep._cuda._extension.peer_copy_seconds(*ids, nbytes, args.iters) * 1e6
+        return _cuda._extension.peer_copy_seconds(*ids, nbytes, args.iters) * 1e6
 
     payload = {
-        **provenance("python " + " ".join(sys.argv)),
+        **provenance("python -m jax_ep.bench " + " ".join(sys.argv[1:])),
         "ranks": ranks,
         "platform": args.platform,
         "routing": "uniform random top-k, distinct experts, shifted by the iteration index",
         "topk": TOPK,
         "experts": EXPERTS,
         "dtype": "bfloat16",
-        "timing": "device time per call: (wall(1 + iters calls in one jitted fori_loop) - wall(1 call)) / iters",
-        "kernel_grid": "each CUDA kernel uses up to 264 blocks of 256 threads (2 per SM of the 132); not a parameter",
+        "timing": "device time per call: (wall(1 + n calls in one jitted fori_loop) - wall(1 call)) / n, n >= iters "
+        "and large enough that the n calls take >= 20 ms",
+        "iters": args.iters,
+        "cuda_kernel_sms": all_sms,
     }
     with jax.set_mesh(mesh):
-        if "training" in suites:
-            print(f"training shape: T={args.tokens}, H={args.hidden}", flush=True)
+        if "training" in suites or "sms" in suites:
             x, idx, w, remote = make_inputs(ranks, args.tokens, args.hidden)
+            copy_us = peer_copy_us(remote)
+        if "training" in suites:
+            progress(f"training shape: T={args.tokens}, H={args.hidden}")
             training = {"tokens": args.tokens, "hidden": args.hidden, "remote_bytes_per_rank": remote}
-            training["peer_copy_us"] = peer_copy_us(remote)
+            training["peer_copy_us"] = copy_us
             for backend in backends:
-                training[backend] = time_backend(backend, x, idx, w, detail=True, iters=args.iters)
-                print(f"  {backend}: {training[backend]}", flush=True)
+                timings = time_backend(backend, x, idx, w, detail=True, iters=args.iters)
+                training[backend] = with_rates(timings, remote, copy_us)
+                progress(f"  {backend}: {training[backend]}")
             payload["training"] = training
+        if "sms" in suites and "cuda" in backends:
+            progress(f"SM budget at the training shape, of {all_sms} SMs per GPU")
+            budgets = []
+            for num_sms in [*ints(args.sms), all_sms]:
+                used = jax_ep.initialize(mesh, "ep", **cuda_sizes, num_sms=num_sms)
+                timings = with_rates(time_backend("cuda", x, idx, w, iters=args.iters), remote, copy_us)
+                budgets.append({"num_sms": used, "sms_left_for_compute": all_sms - used, **timings})
+                progress(f"  num_sms={used}: {budgets[-1]}")
+            payload["sms"] = {"tokens": args.tokens, "hidden": args.hidden, "peer_copy_us": copy_us, "runs": budgets}
         if "decode" in suites:
-            print(f"decode shape: T=128, H={args.hidden}, expert layout, capacity {args.decode_capacity}", flush=True)
+            progress(f"decode shape: T=128, H={args.hidden}, expert layout, capacity {args.decode_capacity}")
             x, idx, w, remote = make_inputs(ranks, 128, args.hidden)
             decode = {"tokens": 128, "hidden": args.hidden, "capacity": args.decode_capacity}
             for backend in backends:
                 decode[backend] = time_backend(
                     backend, x, idx, w, layout="expert", capacity=args.decode_capacity, iters=args.iters
                 )
-                print(f"  {backend}: {decode[backend]}", flush=True)
+                progress(f"  {backend}: {decode[backend]}")
             payload["decode"] = decode
-        if sweep:
-            points = []
-            for hidden in sweep_hidden:
-                for tokens in sweep_tokens:
-                    x, idx, w, remote = make_inputs(ranks, tokens, hidden)
-                    point = {"tokens": tokens, "hidden": hidden, "remote_bytes_per_rank": remote}
-                    point["peer_copy_us"] = peer_copy_us(remote)
-                    for backend in backends if hidden == max(sweep_hidden) else backends[:1]:
-                        point[backend] = time_backend(backend, x, idx, w, iters=args.iters)
-                    print(f"  sweep T={tokens} H={hidden}: {point}", flush=True)
-                    points.append(point)
+        points = []
+        for hidden in sweep_hidden:
+            for tokens in sweep_tokens:
+                x, idx, w, remote = make_inputs(ranks, tokens, hidden)
+                copy_us = peer_copy_us(remote)
+                point = {"tokens": tokens, "hidden": hidden, "remote_bytes_per_rank": remote, "peer_copy_us": copy_us}
+                for backend in backends if hidden == max(sweep_hidden) else backends[:1]:
+                    point[backend] = with_rates(time_backend(backend, x, idx, w, iters=args.iters), remote, copy_us)
+                progress(f"  sweep T={tokens} H={hidden}: {point}")
+                points.append(point)
+        if points:
             payload["sweep"] = points
 
-    if "training" in suites or sweep:
-        hidden = max(sweep_hidden) if sweep else args.hidden
-        tokens = sorted({*(sweep_tokens if sweep else ()), *((args.tokens,) if "training" in suites else ())})
+    if "training" in suites or points:
+        hidden = max(sweep_hidden) if points else args.hidden
+        tokens = sorted({*sweep_tokens, *((args.tokens,) if "training" in suites else ())})
         payload["ragged_all_to_all"] = {"hidden": hidden, "one_shot": ragged_in_children(args, tokens, hidden)}
+    payload["speedups"] = speedups(payload)
     write(args.out, payload)
-    if sweep:
+    if points:
         plot(payload, args.out.with_suffix(".png"))
     summary(payload)
 
@@ -260,32 +305,56 @@ def plot(payload: dict, path: Path) -> None:
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     series = {
-        f"jax_ep {b}": [
+        f"jax_ep {b} (dispatch + combine)": [
             2 * p["remote_bytes_per_rank"] / (p[b]["dispatch_us"] + p[b]["combine_us"]) / 1e3 for p in points
         ]
         for b in points[0]
         if b in ("cuda", "xla")
     }
-    series["peer copy"] = [p["remote_bytes_per_rank"] / p["peer_copy_us"] / 1e3 for p in points]
+    series["peer copy (cudaMemcpyPeerAsync)"] = [p["remote_bytes_per_rank"] / p["peer_copy_us"] / 1e3 for p in points]
     for flag, runs in payload.get("ragged_all_to_all", {}).get("one_shot", {}).items():
         if all(str(t) in runs for t in tokens):
-            series[f"ragged_all_to_all one-shot={flag}"] = [
+            series[f"ragged_all_to_all round trip, one-shot={flag}"] = [
                 2 * p["remote_bytes_per_rank"] / runs[str(p["tokens"])]["roundtrip_us"] / 1e3 for p in points
             ]
     for name, values in series.items():
         ax.plot(tokens, values, marker="o", label=name)
     ax.set(
         xscale="log",
+        yscale="log",
         xlabel="tokens per rank",
         ylabel="GB/s of remote bytes",
-        title=f"{payload['ranks']} {payload['platform']} devices, H={hidden}, K={TOPK}",
+        title=f"{payload['ranks']} {payload['platform']} devices, H={hidden}, K={TOPK}, E={EXPERTS}, bf16",
     )
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
 
+def speedups(payload: dict) -> dict:
+    """Dispatch + combine of backend cuda against xla and the ragged_all_to_all round trip, per measured shape."""
+    out = {}
+    shapes = [payload.get("training", {}), *payload.get("sweep", [])]
+    ragged = payload.get("ragged_all_to_all", {})
+    for shape in shapes:
+        if "cuda" not in shape:
+            continue
+        cuda_us = shape["cuda"]["dispatch_us"] + shape["cuda"]["combine_us"]
+        ratios = {}
+        if "xla" in shape:
+            ratios["xla"] = (shape["xla"]["dispatch_us"] + shape["xla"]["combine_us"]) / cuda_us
+        if shape["hidden"] == ragged.get("hidden"):
+            for flag, runs in ragged["one_shot"].items():
+                run = runs.get(str(shape["tokens"]), {})
+                if "roundtrip_us" in run:
+                    ratios[f"ragged_all_to_all_one_shot_{flag}"] = run["roundtrip_us"] / cuda_us
+        if ratios:
+            out[f"T={shape['tokens']},H={shape['hidden']}"] = ratios
+    return out
+
+
 def summary(payload: dict) -> None:
+    """The headline numbers, last in the output."""
     training = payload.get("training")
     if training:
         copy = training["peer_copy_us"]
@@ -294,11 +363,23 @@ def summary(payload: dict) -> None:
             if backend in training:
                 r = training[backend]
                 print(
-                    f"{backend:6} dispatch {r['dispatch_us']:8.1f} us ({100 * copy / r['dispatch_us']:5.1f}% of copy)"
-                    f"  combine {r['combine_us']:8.1f} us ({100 * copy / r['combine_us']:5.1f}% of copy)"
+                    f"{backend:6} dispatch {r['dispatch_us']:8.1f} us ({r['dispatch_pct_of_copy']:5.1f}% of copy)"
+                    f"  combine {r['combine_us']:8.1f} us ({r['combine_pct_of_copy']:5.1f}% of copy)"
                 )
+    for run in payload.get("sms", {}).get("runs", []):
+        print(f"num_sms={run['num_sms']:4}: dispatch {run['dispatch_us']:8.1f} us  combine {run['combine_us']:8.1f} us")
+    decode = payload.get("decode", {})
+    for backend in ("cuda", "xla"):
+        if backend in decode:
+            print(
+                f"decode {backend}: dispatch {decode[backend]['dispatch_us']:.1f} us  combine "
+                f"{decode[backend]['combine_us']:.1f} us"
+            )
     for flag, runs in payload.get("ragged_all_to_all", {}).get("one_shot", {}).items():
         print(f"ragged_all_to_all one-shot={flag}: {runs}")
+    for shape, ratios in payload.get("speedups", {}).items():
+        faster = ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items())
+        print(f"cuda dispatch + combine at {shape} against: {faster}")
 
 
 if __name__ == "__main__":

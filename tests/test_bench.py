@@ -1,0 +1,33 @@
+"""``python -m jax_ep.bench`` runs every suite end to end on CPU (xla backend, emulated ragged_all_to_all)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+
+def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    command = [sys.executable, "-m", "jax_ep.bench", str(out), "--platform", "cpu", "--backends", "xla"]
+    command += ["--tokens", "64", "--hidden", "128", "--sweep-tokens", "16,32", "--sweep-hidden", "64,128"]
+    command += ["--iters", "2", "--decode-capacity", "4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m jax_ep.bench")
+    assert result["ranks"] == 2 and result["platform"] == "cpu"
+    training = result["training"]["xla"]
+    for key in ("dispatch_us", "combine_us", "routing_only_us", "local_layout_us", "dispatch_gbps"):
+        assert training[key] > 0, key
+    assert result["decode"]["xla"]["dispatch_us"] > 0
+    assert [(p["tokens"], p["hidden"]) for p in result["sweep"]] == [(16, 64), (32, 64), (16, 128), (32, 128)]
+    assert all(p["xla"]["combine_us"] > 0 for p in result["sweep"])
+    for flag in ("true", "false"):
+        runs = result["ragged_all_to_all"]["one_shot"][flag]
+        assert sorted(runs) == ["16", "32", "64"]
+        assert all(run["correct"] and run["roundtrip_us"] > 0 for run in runs.values())
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert re.search(r"^\[ *\d+\.\d s\] training shape: T=64, H=128$", done.stdout, re.MULTILINE), done.stdout
