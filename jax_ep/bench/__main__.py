@@ -1,6 +1,6 @@
 """Time dispatch and combine next to a plain CUDA peer copy of the same bytes and a ragged_all_to_all baseline.
 
-    python -m jax_ep.bench OUT.json [--suite training|decode|sweep|sms|all]
+    python -m jax_ep.bench OUT.json [--suite all | --suite training,decode,sweep,sms]
 
 training: T=4096 tokens per rank, H=7168, K=8, E=256, bf16, ragged layout, capacity=None, uniform routing;
           cuda and xla backends, the MaxText-style ragged_all_to_all round trip (ragged_baseline.py) with
@@ -173,7 +173,7 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="JSON results (and OUT.png with the sweep)")
-    parser.add_argument("--suite", default="all", choices=("training", "decode", "sweep", "sms", "all"))
+    parser.add_argument("--suite", default="all", help="all, or a comma list of training, decode, sweep, sms")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--sweep-tokens", default="128,512,2048,4096,8192")
@@ -211,7 +211,10 @@ def main() -> None:
         return
 
     backends = args.backends.split(",")
-    suites = ("training", "decode", "sweep", "sms") if args.suite == "all" else (args.suite,)
+    known = ("training", "decode", "sweep", "sms")
+    suites = known if args.suite == "all" else tuple(args.suite.split(","))
+    if not set(suites) <= set(known):
+        raise SystemExit(f"--suite must be 'all' or a comma list of {known}, got {args.suite!r}")
     sweep_tokens, sweep_hidden = ints(args.sweep_tokens), ints(args.sweep_hidden)
     if "sweep" not in suites:
         sweep_tokens, sweep_hidden = [], []
