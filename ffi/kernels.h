@@ -29,12 +29,13 @@ cudaError_t LaunchExchange(const char* send, const int32_t* send_counts, char* r
                            int64_t rows, int64_t row_bytes, const GroupView& group, cudaStream_t stream);
 
 // Dispatch's data movement: each token row of x [T, row_bytes] goes once to every rank d with
-// token_dest_pos[t, d] >= 0; then out row n ([N, row_bytes]) gets the received token of row_slot[n]
-// (slot = (r * T + i) * topk + k: the i-th token from rank r), or zeros when row_slot[n] < 0.
+// token_dest_pos[t, d] >= 0; there the i-th token received from rank r (i < recv_counts[r]) fills the out rows
+// ([N, row_bytes]) recv_rows[r, i, :] that are >= 0, and out rows with row_slot[n] < 0 get zeros.
 // self_token [T] lists the tokens this rank sends to itself, in order.
 cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, const int32_t* self_token,
-                               const int32_t* row_slot, char* out, int64_t num_tokens, int64_t row_bytes,
-                               int64_t num_rows, int64_t topk, const GroupView& group, cudaStream_t stream);
+                               const int32_t* recv_rows, const int32_t* recv_counts, const int32_t* row_slot,
+                               char* out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
+                               const GroupView& group, cudaStream_t stream);
 
 enum class FloatType { kF32, kBF16, kF16 };
 

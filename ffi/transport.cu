@@ -9,23 +9,45 @@
 namespace jax_ep {
 namespace {
 
-// Where layout row n's data comes from: nullptr for padding, x for this rank's own tokens, or the receive
-// buffer for tokens from peers (then *remote is set).
-__device__ inline const char* RowSource(const char* x, const int32_t* self_token, int32_t slot, int64_t num_tokens,
-                                        int64_t row_bytes, int64_t topk, const GroupView& group, bool* remote) {
-  *remote = false;
-  if (slot < 0) return nullptr;
-  const int64_t received = slot / topk;  // r * T + i: the i-th token from rank r
-  if (received / num_tokens == group.rank) return x + self_token[received % num_tokens] * row_bytes;
-  *remote = true;
-  return group.own_buffer + received * row_bytes;
+// Writes one token row to every layout row in rows[0:topk) that is >= 0. Each 2 KB piece of the token
+// is read once and stored to all of its rows, so a token routed to k local experts costs one read.
+__device__ inline void ExpandRow(const char* __restrict__ src, const int32_t* __restrict__ rows, int64_t topk,
+                                 char* __restrict__ out, int64_t row_bytes, int lane) {
+  if (row_bytes % 16 != 0) {
+    for (int64_t k = 0; k < topk; ++k) {
+      if (rows[k] >= 0) CopyRow(src, out + rows[k] * row_bytes, row_bytes, lane);
+    }
+    return;
+  }
+  constexpr int kPerLane = 4;
+  const int64_t n = row_bytes / 16;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  for (int64_t base = 0; base < n; base += 32 * kPerLane) {
+    uint4 piece[kPerLane];
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      const int64_t i = base + lane + 32 * m;
+      if (i < n) piece[m] = s[i];
+    }
+    for (int64_t k = 0; k < topk; ++k) {
+      const int32_t row = rows[k];
+      if (row < 0) continue;
+      uint4* d = reinterpret_cast<uint4*>(out + row * row_bytes);
+#pragma unroll
+      for (int m = 0; m < kPerLane; ++m) {
+        const int64_t i = base + lane + 32 * m;
+        if (i < n) d[i] = piece[m];
+      }
+    }
+  }
 }
 
 // Sends each token once to every peer rank it is routed to (peer items: (token, rank) pairs) while
-// filling the layout rows that need no peer data (local items: padding and this rank's own tokens).
+// filling the layout rows that need no peer data (local items: this rank's own tokens, then padding rows).
 __global__ void __launch_bounds__(kThreads)
     TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
-                           const int32_t* __restrict__ self_token, const int32_t* __restrict__ row_slot,
+                           const int32_t* __restrict__ self_token, const int32_t* __restrict__ recv_rows,
+                           const int32_t* __restrict__ recv_counts, const int32_t* __restrict__ row_slot,
                            char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows,
                            int64_t topk, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
@@ -39,28 +61,32 @@ __global__ void __launch_bounds__(kThreads)
     char* remote = group.peers->recv_buffer[dest] + (group.rank * num_tokens + pos) * row_bytes;
     CopyRow(x + t * row_bytes, remote, row_bytes, lane);
   };
-  auto fill_local_row = [&](int64_t n) {
-    bool remote;
-    const char* src = RowSource(x, self_token, row_slot[n], num_tokens, row_bytes, topk, group, &remote);
-    if (!remote) CopyRow(src, out + n * row_bytes, row_bytes, lane);
+  auto fill_local = [&](int64_t item) {
+    if (item < num_tokens) {
+      if (item >= recv_counts[group.rank]) return;
+      const int32_t* rows = recv_rows + (group.rank * num_tokens + item) * topk;
+      ExpandRow(x + self_token[item] * row_bytes, rows, topk, out, row_bytes, lane);
+    } else if (row_slot[item - num_tokens] < 0) {
+      CopyRow(nullptr, out + (item - num_tokens) * row_bytes, row_bytes, lane);
+    }
   };
-  DrainWorkLists(group, num_tokens * num_ranks, num_rows, send_token, fill_local_row);
+  DrainWorkLists(group, num_tokens * num_ranks, num_tokens + num_rows, send_token, fill_local);
   SignalDataSent(group, epoch);
 }
 
-// Fills the layout rows of peers' tokens once all peers' stores have landed.
-__global__ void __launch_bounds__(kThreads) TokensToRowsExpandKernel(const char* __restrict__ x, const int32_t* __restrict__ self_token,
-                                         const int32_t* __restrict__ row_slot, char* __restrict__ out,
-                                         int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
-                                         GroupView group) {
+// Fills the layout rows of peers' tokens once all peers' stores have landed: one warp per received token.
+__global__ void __launch_bounds__(kThreads)
+    TokensToRowsExpandKernel(const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
+                             char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t topk,
+                             GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t n = blockIdx.x * kWarps + threadIdx.x / 32; n < num_rows; n += warps) {
-    bool remote;
-    const char* src = RowSource(x, self_token, row_slot[n], num_tokens, row_bytes, topk, group, &remote);
-    if (remote) CopyRow(src, out + n * row_bytes, row_bytes, lane);
+  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens; w += warps) {
+    const int source = static_cast<int>(w / num_tokens);
+    if (source == group.rank || w % num_tokens >= recv_counts[source]) continue;
+    ExpandRow(group.own_buffer + w * row_bytes, recv_rows + w * topk, topk, out, row_bytes, lane);
   }
   FinishTransfer(group, epoch);
 }
@@ -123,19 +149,29 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
     char* base = source == group.rank ? group.own_buffer : group.peers->recv_buffer[source];
     float* dst = reinterpret_cast<float*>(base) + (group.rank * num_tokens + i) * hidden;
+    const int32_t* rows = held_rows[warp_in_block];
+    const float* row_weights = held_weights[warp_in_block];
     for (int64_t e = lane * width; e < hidden; e += 32 * width) {
       float acc[kWide] = {};
-      for (int j = 0; j < held; ++j) {
-        const float weight = held_weights[warp_in_block][j];
-        const T* src = y + held_rows[warp_in_block][j] * hidden + e;
-        if (width == kWide) {
-          T values[kWide];
-          *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(src);
+      if (width == kWide) {
+        // Loads of kLoadsInFlight rows go out before their sums, in k order.
+        constexpr int kLoadsInFlight = 4;
+        for (int j0 = 0; j0 < held; j0 += kLoadsInFlight) {
+          uint4 raw[kLoadsInFlight];
 #pragma unroll
-          for (int m = 0; m < kWide; ++m) acc[m] += weight * ToFloat(values[m]);
-        } else {
-          acc[0] += weight * ToFloat(src[0]);
+          for (int m = 0; m < kLoadsInFlight; ++m) {
+            if (j0 + m < held) raw[m] = *reinterpret_cast<const uint4*>(y + rows[j0 + m] * hidden + e);
+          }
+#pragma unroll
+          for (int m = 0; m < kLoadsInFlight; ++m) {
+            if (j0 + m >= held) break;
+            const T* values = reinterpret_cast<const T*>(&raw[m]);
+#pragma unroll
+            for (int v = 0; v < kWide; ++v) acc[v] += row_weights[j0 + m] * ToFloat(values[v]);
+          }
         }
+      } else {
+        for (int j = 0; j < held; ++j) acc[0] += row_weights[j] * ToFloat(y[rows[j] * hidden + e]);
       }
       if (width % 4 == 0) {
         for (int m = 0; m < width; m += 4) {
@@ -206,15 +242,18 @@ cudaError_t LaunchRowsToTokensTyped(const T* y, const float* weights, const int3
 }  // namespace
 
 cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, const int32_t* self_token,
-                               const int32_t* row_slot, char* out, int64_t num_tokens, int64_t row_bytes,
-                               int64_t num_rows, int64_t topk, const GroupView& group, cudaStream_t stream) {
+                               const int32_t* recv_rows, const int32_t* recv_counts, const int32_t* row_slot,
+                               char* out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
+                               const GroupView& group, cudaStream_t stream) {
   cudaError_t status = LaunchArrive(nullptr, group, stream);
   if (status != cudaSuccess) return status;
-  TokensToRowsSendKernel<<<BlocksFor(num_tokens * group.num_ranks + num_rows, group), kThreads, 0, stream>>>(
-      x, token_dest_pos, self_token, row_slot, out, num_tokens, row_bytes, num_rows, topk, group);
+  const int64_t items = num_tokens * group.num_ranks + num_tokens + num_rows;
+  TokensToRowsSendKernel<<<BlocksFor(items, group), kThreads, 0, stream>>>(
+      x, token_dest_pos, self_token, recv_rows, recv_counts, row_slot, out, num_tokens, row_bytes, num_rows, topk,
+      group);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
-  TokensToRowsExpandKernel<<<BlocksFor(num_rows, group), kThreads, 0, stream>>>(x, self_token, row_slot, out, num_tokens,
-                                                                          row_bytes, num_rows, topk, group);
+  TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
+      recv_rows, recv_counts, out, num_tokens, row_bytes, topk, group);
   return cudaGetLastError();
 }
 

@@ -95,8 +95,8 @@ ffi::Error ExchangeExecute(cudaStream_t stream, int32_t ordinal, TransportState*
 }
 
 ffi::Error TokensToRowsExecute(cudaStream_t stream, int32_t ordinal, TransportState* state, int64_t timeout_cycles,
-                               int64_t topk, ffi::AnyBuffer x, I32Matrix token_dest_pos, I32Vector self_token,
-                               I32Vector row_slot, ffi::Result<ffi::AnyBuffer> out) {
+                               ffi::AnyBuffer x, I32Matrix token_dest_pos, I32Vector self_token, I32Cube recv_rows,
+                               I32Vector recv_counts, I32Vector row_slot, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kOp = "jax_ep_tokens_to_rows";
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("jax_ep_tokens_to_rows: x must be [T, H]");
@@ -106,17 +106,22 @@ ffi::Error TokensToRowsExecute(cudaStream_t stream, int32_t ordinal, TransportSt
   auto group = FindGroup(kOp, ordinal, state, num_ranks * num_tokens * row_bytes, timeout_cycles);
   if (group.has_error()) return group.error();
   if (auto e = CheckRanks(kOp, "token_dest_pos", num_ranks, group->num_ranks); e.failure()) return e;
-  const int64_t num_rows = row_slot.element_count();
+  const auto rows_dims = recv_rows.dimensions();
+  const int64_t num_rows = row_slot.element_count(), topk = rows_dims[2];
   if (token_dest_pos.dimensions()[0] != num_tokens || self_token.element_count() != static_cast<size_t>(num_tokens) ||
-      out->size_bytes() != static_cast<size_t>(num_rows * row_bytes) || topk < 1) {
+      rows_dims[0] != num_ranks || rows_dims[1] != num_tokens || recv_counts.element_count() != static_cast<size_t>(num_ranks) ||
+      out->size_bytes() != static_cast<size_t>(num_rows * row_bytes)) {
     return ffi::Error::InvalidArgument(
-        "jax_ep_tokens_to_rows: expected token_dest_pos [T=" + Str(num_tokens) + ", R], self_token [T], out [N=" +
-        Str(num_rows) + " rows of " + Str(row_bytes) + " bytes] and topk >= 1, got token_dest_pos rows " +
-        Str(token_dest_pos.dimensions()[0]) + ", self_token " + Str(self_token.element_count()) + ", out bytes " +
-        Str(out->size_bytes()) + ", topk " + Str(topk));
+        "jax_ep_tokens_to_rows: expected token_dest_pos [T=" + Str(num_tokens) + ", R=" + Str(num_ranks) +
+        "], self_token [T], recv_rows [R, T, K], recv_counts [R] and out [N=" + Str(num_rows) + " rows of " +
+        Str(row_bytes) + " bytes]; got token_dest_pos rows " + Str(token_dest_pos.dimensions()[0]) +
+        ", self_token " + Str(self_token.element_count()) + ", recv_rows [" + Str(rows_dims[0]) + ", " +
+        Str(rows_dims[1]) + ", " + Str(topk) + "], recv_counts " + Str(recv_counts.element_count()) + ", out bytes " +
+        Str(out->size_bytes()));
   }
   return LaunchError(kOp, LaunchTokensToRows(static_cast<const char*>(x.untyped_data()), token_dest_pos.typed_data(),
-                                             self_token.typed_data(), row_slot.typed_data(),
+                                             self_token.typed_data(), recv_rows.typed_data(),
+                                             recv_counts.typed_data(), row_slot.typed_data(),
                                              static_cast<char*>(out->untyped_data()), num_tokens, row_bytes,
                                              num_rows, topk, *group, stream));
 }
@@ -183,10 +188,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpTokensToRowsExecute, jax_ep::TokensToRowsExec
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::State<jax_ep::TransportState>>()
                                   .Attr<int64_t>("timeout_cycles")  // give up waiting for peers after this
-                                  .Attr<int64_t>("topk")            // K
                                   .Arg<ffi::AnyBuffer>()            // x [T, H]
                                   .Arg<I32Matrix>()                 // token_dest_pos [T, R]
                                   .Arg<I32Vector>()                 // self_token [T]
+                                  .Arg<I32Cube>()                   // recv_rows [R, T, K]
+                                  .Arg<I32Vector>()                 // recv_counts [R]
                                   .Arg<I32Vector>()                 // row_slot [N]
                                   .Ret<ffi::AnyBuffer>());          // out [N, H]
 

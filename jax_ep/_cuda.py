@@ -203,8 +203,8 @@ def tokens_to_rows(x: jax.Array, self_token: jax.Array, handle: Handle) -> jax.A
     """
     out = _result(x, (handle.row_slot.shape[0], x.shape[1]), x.dtype)
     call = jax.ffi.ffi_call("jax_ep_tokens_to_rows", out)
-    topk = np.int64(handle.config.topk)
-    return call(x, handle.token_dest_pos, self_token, handle.row_slot, timeout_cycles=_timeout_cycles(), topk=topk)
+    args = (x, handle.token_dest_pos, self_token, handle.recv_rows, handle.recv_counts, handle.row_slot)
+    return call(*args, timeout_cycles=_timeout_cycles())
 
 
 def rows_to_tokens(y: jax.Array, weights: jax.Array, handle: Handle) -> jax.Array:
