@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 RAGGED_FLAG = "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel"
-# Without the one-shot kernel, XLA 0.11 refuses ragged_all_to_all unless its NCCL send/recv path is allowed.
+# Without the one-shot kernel, XLA 0.11 on GPUs refuses ragged_all_to_all unless its NCCL send/recv path is allowed.
 NCCL_FALLBACK_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
 if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set it before jax starts a backend
     flag = sys.argv[sys.argv.index("--ragged-flag") + 1]
-    extra = f"{RAGGED_FLAG}={flag}" + ("" if flag == "true" else f" {NCCL_FALLBACK_FLAG}")
+    on_gpu = sys.argv[sys.argv.index("--platform") + 1] == "gpu"
+    extra = f"{RAGGED_FLAG}={flag}" + (f" {NCCL_FALLBACK_FLAG}" if flag == "false" and on_gpu else "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {extra}"
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
