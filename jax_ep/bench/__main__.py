@@ -35,6 +35,7 @@ if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set 
     extra = f"{RAGGED_FLAG}={flag}" + (f" {NCCL_FALLBACK_FLAG}" if flag == "false" and on_gpu else "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {extra}"
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the ragged children share the GPUs with us
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -169,7 +170,11 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
         command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag, "--hidden", str(hidden)]
         command += ["--ragged-tokens", ",".join(map(str, tokens_list)), "--platform", args.platform]
         progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
-        done = subprocess.run(command, check=False)
+        try:
+            done = subprocess.run(command, check=False, timeout=args.ragged_timeout)
+        except subprocess.TimeoutExpired:
+            results[flag] = {"error": f"no result within {args.ragged_timeout} s"}
+            continue
         results[flag] = json.loads(part.read_text()) if done.returncode == 0 else {"error": f"exit {done.returncode}"}
     return results
 
@@ -186,6 +191,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-capacity", type=int, default=32, help="rows per local expert at T=128")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--backends", default="cuda,xla")
+    parser.add_argument("--ragged-timeout", type=float, default=150, help="seconds for each ragged baseline run")
     parser.add_argument("--platform", default="gpu", help="cpu: a dry run (xla backend, emulated ragged exchange)")
     parser.add_argument("--ragged-flag", choices=("true", "false"), help=argparse.SUPPRESS)
     parser.add_argument("--ragged-tokens", help=argparse.SUPPRESS)
