@@ -13,7 +13,7 @@ __global__ void ArriveKernel(const int32_t* __restrict__ send_counts, GroupView 
   if (send_counts != nullptr) remote->counts_in[epoch & 1][group.rank] = send_counts[peer];
   __threadfence_system();
   StoreRelease(&remote->arrive[group.rank], epoch);
-  WaitFor(&group.signals->arrive[peer], epoch, group);
+  WaitFor(&group.signals->arrive[peer], epoch, peer, group);
 }
 
 __global__ void __launch_bounds__(kThreads) ExchangeSendKernel(const char* __restrict__ send, const int32_t* __restrict__ send_counts,

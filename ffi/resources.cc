@@ -70,6 +70,12 @@ std::string Resources::Initialize(const std::vector<std::vector<int>>& groups, s
           (status = cudaMalloc(&device.peers, sizeof(PeerTable))) != cudaSuccess) {
         return CudaError("allocating the receive buffer", ordinal, status);
       }
+      if ((status = cudaHostAlloc(&device.missing_peer, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable)) !=
+              cudaSuccess ||
+          (status = cudaHostGetDevicePointer(&device.missing_peer_on_device, device.missing_peer, 0)) != cudaSuccess) {
+        return CudaError("allocating the host-mapped timeout flag", ordinal, status);
+      }
+      *device.missing_peer = 0;
       table.recv_buffer[rank] = device.recv_buffer;
       table.signals[rank] = device.signals;
     }
@@ -95,6 +101,7 @@ void Resources::Release() {
     cudaFree(device.recv_buffer);
     cudaFree(device.signals);
     cudaFree(device.peers);
+    cudaFreeHost(device.missing_peer);
   }
   devices_.clear();
 }

@@ -23,6 +23,8 @@ struct DeviceResources {
   char* recv_buffer = nullptr;  // [R * rows * row_bytes] written by peers, per call
   Signals* signals = nullptr;   // flags, counts and epoch in this GPU's memory
   PeerTable* peers = nullptr;   // device copy of every rank's recv_buffer and signals
+  int32_t* missing_peer = nullptr;  // pinned host memory, mapped for the kernels: GroupView::missing_peer
+  int32_t* missing_peer_on_device = nullptr;  // the kernels' address of missing_peer
 };
 
 // All groups made by one Initialize call, keyed by device ordinal.

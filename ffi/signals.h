@@ -15,7 +15,6 @@ struct Signals {
   uint64_t epoch;                   // transfers completed by this GPU
   uint32_t blocks_done[2];          // last-block detection of the send and receive kernels
   uint32_t items_taken[2];          // a send kernel's progress through its peer and local work lists
-  int32_t timed_out;                // set when a wait gave up; that transfer's output is then invalid
 };
 
 struct PeerTable {
@@ -32,6 +31,7 @@ struct GroupView {
   const PeerTable* peers;  // device copy of every rank's buffers and signals
   int64_t timeout_cycles;  // give up waiting for peers after this many SM cycles
   int max_blocks;          // most blocks a kernel of a transfer launches: the SM budget of jax_ep.initialize
+  int32_t* missing_peer;   // host-mapped: 1 + the rank a wait gave up on, which the next call reports
 };
 
 }  // namespace jax_ep

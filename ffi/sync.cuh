@@ -27,12 +27,14 @@ __device__ inline void StoreRelease(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
-// Spins until *flag >= epoch; after timeout_cycles marks the transfer as failed and returns.
-__device__ inline void WaitFor(const uint64_t* flag, uint64_t epoch, const GroupView& group) {
+// Spins until peer's *flag >= epoch. After timeout_cycles it gives up and records the peer in host-mapped
+// memory, where the next call's handler finds it and fails; this transfer's output is then invalid.
+__device__ inline void WaitFor(const uint64_t* flag, uint64_t epoch, int peer, const GroupView& group) {
   const long long start = clock64();
   while (LoadAcquire(flag) < epoch) {
     if (clock64() - start > group.timeout_cycles) {
-      atomicExch(&group.signals->timed_out, 1);
+      *reinterpret_cast<volatile int32_t*>(group.missing_peer) = peer + 1;
+      __threadfence_system();
       return;
     }
   }
@@ -70,7 +72,7 @@ __device__ inline void SignalDataSent(const GroupView& group, uint64_t epoch) {
 
 // Receive kernels start here: every block waits until all peers' rows have landed.
 __device__ inline void WaitDataReceived(const GroupView& group, uint64_t epoch) {
-  if (threadIdx.x < group.num_ranks) WaitFor(&group.signals->data[threadIdx.x], epoch, group);
+  if (threadIdx.x < group.num_ranks) WaitFor(&group.signals->data[threadIdx.x], epoch, threadIdx.x, group);
   __syncthreads();
 }
 

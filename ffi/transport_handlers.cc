@@ -52,6 +52,16 @@ ffi::ErrorOr<GroupView> FindGroup(const char* op, int32_t ordinal, const Transpo
             " has no jax_ep resources (not in the mesh given to jax_ep.initialize, or jax_ep.finalize was called "
             "since this computation was compiled)"));
   }
+  const int32_t missing = *reinterpret_cast<volatile const int32_t*>(device->missing_peer);
+  if (missing != 0) {
+    return ffi::Unexpected(ffi::Error(
+        ffi::ErrorCode::kDeadlineExceeded,
+        std::string(op) + ": an earlier transfer on GPU " + Str(ordinal) + " (rank " + Str(device->rank) +
+            ") gave up waiting for rank " + Str(missing - 1) + " of its EP group after the timeout_s given to "
+            "jax_ep.initialize, so that call's outputs are invalid and the group is out of step. Find why rank " +
+            Str(missing - 1) + " stopped (a crashed process, a hung GPU, a computation that runs on only part of "
+            "the mesh), then call jax_ep.initialize again"));
+  }
   if (bytes > device->capacity_bytes) {
     return ffi::Unexpected(ffi::Error(
         ffi::ErrorCode::kResourceExhausted,
@@ -59,8 +69,8 @@ ffi::ErrorOr<GroupView> FindGroup(const char* op, int32_t ordinal, const Transpo
                                                               "reserved " +
             Str(device->capacity_bytes) + "; initialize with larger sizes (see jax_ep.buffer_size_hint)"));
   }
-  return GroupView{device->rank,  device->num_ranks, device->recv_buffer, device->signals,
-                   device->peers, timeout_cycles,    device->num_sms};
+  return GroupView{device->rank,   device->num_ranks, device->recv_buffer, device->signals,
+                   device->peers,  timeout_cycles,    device->num_sms,     device->missing_peer_on_device};
 }
 
 ffi::Error LaunchError(const char* op, cudaError_t status) {

@@ -113,9 +113,10 @@ def initialize(
     seen inside ``shard_map``: ``num_tokens`` T, ``hidden`` H, ``topk`` K,
     ``num_experts`` E, and the widest ``dtype`` that is dispatched. A later call
     with larger shapes fails with a clear error. A rank waiting longer than
-    ``timeout_s`` for its peers gives up instead of hanging (that call's outputs
-    are then invalid). Calling again replaces the buffers; :func:`finalize`
-    releases them.
+    ``timeout_s`` for its peers gives up instead of hanging: that call's outputs
+    are invalid, and the next call on that GPU fails with an error naming the
+    rank that never came, until ``initialize`` is called again. Calling again
+    replaces the buffers; :func:`finalize` releases them.
 
     ``num_sms`` caps the SMs each transfer kernel occupies (one block of 1024
     threads per SM); the rest of the GPU stays free for compute that overlaps

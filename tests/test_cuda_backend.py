@@ -1,6 +1,7 @@
 """backend="cuda" against backend="xla" on 2 GPUs: dispatch bit for bit, combine within rounding, gradients."""
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -174,3 +175,26 @@ def test_too_large_for_buffers_is_a_clear_error(mesh):
     x, idx, w = _inputs("uniform", MAX_TOKENS * 4, SIZES["hidden"], 8, 256, jnp.float32, seed=1)
     with pytest.raises(Exception, match="reserved"):
         jax.block_until_ready(_run(mesh, "cuda", x, idx, w, num_experts=256))
+
+
+def test_a_missing_peer_times_out_and_the_next_call_says_why(mesh):
+    """Only rank 0 enters a transfer: it stops waiting after timeout_s, and its next call fails clearly."""
+    import jax_ep
+    from jax_ep import _cuda
+
+    try:
+        jax_ep.initialize(mesh, "ep", **{**SIZES, "timeout_s": 0.5})
+        rank0 = mesh.devices.flat[0]
+        buffer = jax.device_put(jnp.ones((R, 4, 8), jnp.float32), rank0)
+        counts = jax.device_put(jnp.full((R,), 4, jnp.int32), rank0)
+        alone = jax.jit(lambda b, c: _cuda.exchange(b, c, None))
+        start = time.perf_counter()
+        jax.block_until_ready(alone(buffer, counts))
+        assert time.perf_counter() - start < 30
+        with pytest.raises(Exception, match="gave up waiting for rank 1 of its EP group"):
+            jax.block_until_ready(alone(buffer, counts))
+    finally:
+        jax_ep.initialize(mesh, "ep", **SIZES)
+    x, idx, w = _inputs("uniform", 64, 128, 4, 16, jnp.float32, seed=5)
+    kw = dict(num_experts=16)
+    _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
