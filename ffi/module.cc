@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "handlers.h"
 #include "resources.h"
@@ -16,6 +18,16 @@ namespace nb = nanobind;
 namespace {
 
 nb::capsule Capsule(void* pointer) { return nb::capsule(pointer); }
+
+void ThrowIfError(const std::string& error) {
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+std::shared_ptr<jax_ep::Resources> Pending() {
+  std::shared_ptr<jax_ep::Resources> pending = jax_ep::PendingResources();
+  if (!pending) throw std::runtime_error("jax_ep: initialize steps out of order (no begin)");
+  return pending;
+}
 
 void Check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep.peer_copy_seconds: ") + what + ": " +
@@ -84,15 +96,39 @@ NB_MODULE(_jax_ep_cuda, m) {
     types["jax_ep_transport_state"] = state;
     return types;
   });
+  // jax_ep.initialize, step by step (jax_ep/_cuda.py swaps IPC handles between processes in between).
+  m.def("begin", []() { jax_ep::BeginResources(); });
   m.def(
-      "initialize",
-      [](const std::vector<std::vector<int>>& groups, size_t capacity_bytes, int num_sms) {
-        int sms_used = 0;
-        const std::string error = jax_ep::InitializeResources(groups, capacity_bytes, num_sms, &sms_used);
-        if (!error.empty()) throw std::runtime_error(error);
-        return sms_used;
+      "allocate",
+      [](int ordinal, int rank, int num_ranks, size_t capacity_bytes, int num_sms) {
+        ThrowIfError(Pending()->Allocate(ordinal, rank, num_ranks, capacity_bytes, num_sms));
       },
-      nb::arg("groups"), nb::arg("capacity_bytes"), nb::arg("num_sms"));
+      nb::arg("ordinal"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("capacity_bytes"), nb::arg("num_sms"));
+  m.def(
+      "export_handles",
+      [](int ordinal) {
+        std::string handles;
+        ThrowIfError(Pending()->ExportHandles(ordinal, &handles));
+        return nb::bytes(handles.data(), handles.size());
+      },
+      nb::arg("ordinal"));
+  m.def(
+      "connect",
+      [](int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles) {
+        std::vector<jax_ep::RankAddress> ranks(ordinals.size());
+        for (size_t r = 0; r < ranks.size(); ++r) {
+          ranks[r].ordinal = ordinals[r];
+          if (r < handles.size()) ranks[r].ipc_handles.assign(handles[r].c_str(), handles[r].size());
+        }
+        ThrowIfError(Pending()->Connect(ordinal, ranks));
+      },
+      nb::arg("ordinal"), nb::arg("ordinals"), nb::arg("handles"));
+  m.def("commit", []() {
+    const int sms = Pending()->MinSms();
+    jax_ep::CommitResources();
+    return sms;
+  });
+  m.def("close_peer_mappings", &jax_ep::CloseCurrentPeerMappings);
   m.def("finalize", &jax_ep::ReleaseResources);
   m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
   m.def("cuda_versions", []() {

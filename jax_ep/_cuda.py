@@ -31,7 +31,8 @@ else:
 COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_FUSED_TOPK = 64
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
-_state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, timeout_cycles
+_state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, timeout_cycles, ...
+_generation = 0  # initialize() calls so far: names this call's keys in jax.distributed's key-value store
 
 
 def available() -> bool:
@@ -109,7 +110,12 @@ def initialize(
     """Create the peer-mapped buffers of backend "cuda" for every EP group of ``mesh``.
 
     Each group is the GPUs along ``axis_name`` (the other mesh axes index the
-    groups); all of them must belong to this process. Sizes are per rank, as
+    groups). GPUs of this process reach each other by peer access; with a mesh
+    over several processes (after ``jax.distributed.initialize``, one or more
+    GPUs each), every process calls ``initialize`` with the same arguments and
+    the processes swap CUDA IPC handles of their buffers through
+    ``jax.distributed``'s key-value store. Either way the GPUs of a group must
+    reach each other by NVLink/P2P. Sizes are per rank, as
     seen inside ``shard_map``: ``num_tokens`` T, ``hidden`` H, ``topk`` K,
     ``num_experts`` E, and the widest ``dtype`` that is dispatched. A later call
     with larger shapes fails with a clear error. A rank waiting longer than
@@ -121,7 +127,7 @@ def initialize(
     ``num_sms`` caps the SMs each transfer kernel occupies (one block of 1024
     threads per SM); the rest of the GPU stays free for compute that overlaps
     the exchange. ``None`` lets the kernels use every SM. Returns the number of
-    SMs the kernels may use (the fewest over the mesh's GPUs).
+    SMs the kernels may use (the fewest over this process's GPUs).
     """
     sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
     sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
@@ -134,10 +140,11 @@ def initialize(
     platforms = sorted({device.platform for device in mesh.devices.flat})
     if platforms != ["gpu"]:
         raise ValueError(f"jax_ep.initialize: backend 'cuda' needs a mesh of GPUs, got devices of {platforms}")
-    if any(device.process_index != jax.process_index() for device in mesh.devices.flat):
+    processes = {device.process_index for device in mesh.devices.flat}
+    if len(processes) > 1 and _key_value_client() is None:
         raise ValueError(
-            "jax_ep.initialize: every GPU of the mesh must belong to this process (one process per GPU "
-            "is not supported yet)"
+            f"jax_ep.initialize: the mesh spans {len(processes)} processes; call jax.distributed.initialize() "
+            "first, so that they can swap their GPUs' buffer handles"
         )
     axis = mesh.axis_names.index(axis_name)
     num_ranks = mesh.devices.shape[axis]
@@ -147,20 +154,93 @@ def initialize(
             f"expected a multiple of {num_ranks}, got {num_experts}"
         )
     _register()
-    ordinals = np.vectorize(lambda device: device.local_hardware_id)(mesh.devices)
-    groups = np.moveaxis(ordinals, axis, -1).reshape(-1, num_ranks).tolist()
+    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, num_ranks).tolist()
     capacity = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
-    _state.clear()
-    sms = _extension.initialize(groups, capacity, num_sms or 0)
-    _state.update(axis_name=axis_name, num_ranks=num_ranks, timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND))
+    _release()
+    global _generation
+    _generation += 1
+    _extension.begin()
+    try:
+        sms = _connect_groups(groups, capacity, num_sms or 0, timeout_s)
+    except BaseException:
+        _extension.finalize()
+        raise
+    _state.update(
+        axis_name=axis_name,
+        num_ranks=num_ranks,
+        timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND),
+        multi_process=len(processes) > 1,
+        timeout_s=timeout_s,
+    )
     return sms
 
 
-def finalize() -> None:
-    """Release the buffers made by :func:`initialize`; computations compiled before must not run again."""
-    if _extension is not None:
+def _connect_groups(groups: list[list[Any]], capacity: int, num_sms: int, timeout_s: float) -> int:
+    """Allocates this process's GPUs of every group, swaps IPC handles with the other processes, connects."""
+    me = jax.process_index()
+    local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
+    for _, rank, device in local:
+        _extension.allocate(device.local_hardware_id, rank, len(groups[0]), capacity, num_sms)
+    handles = {}
+    if any(d.process_index != me for g, _, _ in local for d in groups[g]):
+        client = _key_value_client()
+        for g, rank, device in local:
+            client.key_value_set_bytes(_handles_key(g, rank), _extension.export_handles(device.local_hardware_id))
+        for g in sorted({g for g, _, _ in local}):
+            for rank, device in enumerate(groups[g]):
+                if device.process_index != me:
+                    handles[g, rank] = _fetch(client, _handles_key(g, rank), timeout_s, device, rank)
+    for g, _, device in local:
+        ordinals = [d.local_hardware_id if d.process_index == me else -1 for d in groups[g]]
+        peer_handles = [handles.get((g, rank), b"") for rank in range(len(groups[g]))]
+        _extension.connect(device.local_hardware_id, ordinals, peer_handles)
+    sms = _extension.commit()
+    if handles:
+        _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/connected", int(timeout_s * 1000))
+    return sms
+
+
+def _handles_key(group: int, rank: int) -> str:
+    return f"jax_ep/{_generation}/handles/{group}/{rank}"
+
+
+def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int) -> bytes:
+    try:
+        return client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+    except Exception as error:  # the client raises its own error types
+        raise RuntimeError(
+            f"jax_ep.initialize: rank {rank} ({device}, process {device.process_index}) did not publish its "
+            f"buffers within timeout_s={timeout_s}; every process must call jax_ep.initialize with the same "
+            f"mesh ({error})"
+        ) from error
+
+
+def _key_value_client() -> Any:
+    """jax.distributed's key-value store client, or None before jax.distributed.initialize (no public API yet)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _release() -> None:
+    """Frees the buffers; across processes, every process first unmaps its peers' buffers, then all free."""
+    if _extension is None:
+        return
+    try:
+        if _state.get("multi_process"):
+            _extension.close_peer_mappings()
+            _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/released", int(_state["timeout_s"] * 1000))
+    finally:
         _extension.finalize()
-    _state.clear()
+        _state.clear()
+
+
+def finalize() -> None:
+    """Release the buffers made by :func:`initialize`; computations compiled before must not run again.
+
+    With a mesh over several processes, every process must call it.
+    """
+    _release()
 
 
 def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:

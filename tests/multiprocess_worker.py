@@ -1,0 +1,132 @@
+"""One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
+
+    python tests/multiprocess_worker.py PORT PROCESS_ID {compare,peer_dies}
+
+compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
+           within float32 rounding, gradients; random routings. Prints "OK" at the end.
+peer_dies: process 1 leaves right after jax_ep.initialize; process 0's first dispatch gives up after
+           timeout_s and its next one fails naming rank 1. Prints "OK" at the end.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+R = 2
+
+
+def global_array(mesh, data):
+    return jax.make_array_from_callback(data.shape, NamedSharding(mesh, P("ep")), lambda index: data[index])
+
+
+def local(array) -> np.ndarray:
+    return np.asarray(array.addressable_shards[0].data.astype(jnp.float32))
+
+
+def inputs(mesh, tokens, hidden, topk, experts, dtype, seed, messy):
+    rng = np.random.default_rng(seed)  # the same in both processes
+    x = rng.standard_normal((R * tokens, hidden)).astype(np.float32)
+    idx = np.stack([rng.permutation(experts)[:topk] for _ in range(R * tokens)]).astype(np.int32)
+    if messy:
+        idx[rng.random(idx.shape) < 0.1] = -1
+        idx[rng.random(idx.shape) < 0.05] = experts + 3
+        idx[:, -1] = idx[:, 0]
+    w = (rng.random((R * tokens, topk)) + 0.1).astype(np.float32)
+    return global_array(mesh, x.astype(dtype)), global_array(mesh, idx), global_array(mesh, w)
+
+
+def run(mesh, backend, x, idx, w, **kw):
+    import jax_ep
+
+    def forward(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, axis_name="ep", backend=backend, **kw)
+        out = jax_ep.combine(d.x * 2 + 1, d.handle, weights=d.weights)
+        return d.x[None], d.weights[None], d.group_sizes[None], out
+
+    def loss(x, w):
+        def body(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, axis_name="ep", backend=backend, **kw)
+            y = jnp.tanh(d.x.astype(jnp.float32)).astype(x.dtype)
+            return jax_ep.combine(y, d.handle, weights=d.weights).astype(jnp.float32)
+
+        out = jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(out * out)
+
+    with jax.set_mesh(mesh):
+        outs = jax.jit(jax.shard_map(forward, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    return [local(a) for a in (*outs, *grads)]
+
+
+def compare(mesh):
+    cases = [
+        # tokens, hidden, topk, experts, dtype, messy, layout, capacity
+        (256, 2048, 8, 64, jnp.bfloat16, False, "ragged", None),
+        (200, 1024, 6, 16, jnp.float32, True, "ragged", None),
+        (128, 512, 4, 16, jnp.float32, True, "expert", 40),
+    ]
+    for seed, (tokens, hidden, topk, experts, dtype, messy, layout, capacity) in enumerate(cases):
+        x, idx, w = inputs(mesh, tokens, hidden, topk, experts, dtype, seed, messy)
+        kw = dict(num_experts=experts, layout=layout, capacity=capacity)
+        cuda, xla = run(mesh, "cuda", x, idx, w, **kw), run(mesh, "xla", x, idx, w, **kw)
+        for name, got, want in zip(["x", "weights", "group_sizes"], cuda[:3], xla[:3], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(cuda[3], xla[3], rtol=tol, atol=tol, err_msg="combine")
+        for name, got, want in zip(["dx", "dw"], cuda[4:], xla[4:], strict=True):
+            atol = (1e-5 if dtype == jnp.float32 else 2e-2) * np.max(np.abs(want))
+            np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=name)
+        assert np.abs(xla[3]).sum() > 0
+        print(f"case {seed} ({layout}, {jnp.dtype(dtype).name}, T={tokens}): cuda == xla", flush=True)
+
+
+def peer_dies(mesh, process_id):
+    import jax_ep
+
+    if process_id == 1:
+        os._exit(0)  # leaves without a word, like a crashed process
+    x, idx, w = inputs(mesh, 64, 256, 4, 16, jnp.float32, seed=7, messy=False)
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda").x
+
+    step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
+    with jax.set_mesh(mesh):
+        jax.block_until_ready(step(x, idx, w))  # gives up after timeout_s
+        try:
+            jax.block_until_ready(step(x, idx, w))
+        except Exception as error:  # noqa: BLE001
+            assert "gave up waiting for rank 1" in str(error), error
+            print(f"second call failed as expected: {str(error)[:200]}", flush=True)
+        else:
+            raise AssertionError("the call after a timeout did not fail")
+
+
+def main():
+    port, process_id, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(
+        f"localhost:{port}", num_processes=R, process_id=process_id, local_device_ids=[process_id]
+    )
+    import jax_ep
+
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    timeout_s = 3.0 if mode == "peer_dies" else 30.0
+    jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
+    if mode == "compare":
+        compare(mesh)
+        jax_ep.finalize()
+    else:
+        peer_dies(mesh, process_id)
+    print("OK", flush=True)
+    os._exit(0)  # skip jax.distributed's shutdown handshake, which a departed peer would hold up
+
+
+if __name__ == "__main__":
+    main()
