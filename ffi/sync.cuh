@@ -28,12 +28,15 @@ __device__ inline void StoreRelease(uint64_t* flag, uint64_t value) {
 }
 
 // Spins until peer's *flag >= epoch. After timeout_cycles it gives up and records the peer in host-mapped
-// memory, where the next call's handler finds it and fails; this transfer's output is then invalid.
+// memory, where the next call's handler finds it and fails; this transfer's output is then invalid. Once a
+// peer is recorded missing, waits of transfers already queued give up at once instead of each timing out.
 __device__ inline void WaitFor(const uint64_t* flag, uint64_t epoch, int peer, const GroupView& group) {
+  volatile int32_t* missing_peer = group.missing_peer;
   const long long start = clock64();
-  while (LoadAcquire(flag) < epoch) {
+  for (uint32_t spins = 0; LoadAcquire(flag) < epoch; ++spins) {
+    if (spins % 64 == 63 && *missing_peer != 0) return;  // a host-mapped read costs a PCIe round trip
     if (clock64() - start > group.timeout_cycles) {
-      *reinterpret_cast<volatile int32_t*>(group.missing_peer) = peer + 1;
+      *missing_peer = peer + 1;
       __threadfence_system();
       return;
     }
@@ -53,7 +56,10 @@ __device__ inline bool LastBlockDone(uint32_t* counter) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     last = atomicAdd(counter, 1) == gridDim.x - 1;
-    if (last) *counter = 0;
+    if (last) {
+      __threadfence();  // acquire: every other block's writes are visible to what the last block does next
+      *counter = 0;
+    }
   }
   __syncthreads();
   return last && threadIdx.x == 0;

@@ -31,6 +31,7 @@ else:
 COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_FUSED_TOPK = 64
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
+_SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
 _state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, timeout_cycles, ...
 _generation = 0  # initialize() calls so far: names this call's keys in jax.distributed's key-value store
 
@@ -161,28 +162,36 @@ def initialize(
     _generation += 1
     _extension.begin()
     try:
-        sms = _connect_groups(groups, capacity, num_sms or 0, timeout_s)
+        sms = _connect_groups(groups, capacity, num_sms or 0, sorted(processes), timeout_s)
     except BaseException:
+        _extension.close_peer_mappings()
         _extension.finalize()
         raise
     _state.update(
         axis_name=axis_name,
         num_ranks=num_ranks,
         timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND),
-        multi_process=len(processes) > 1,
-        timeout_s=timeout_s,
+        processes=sorted(processes),
+        setup_timeout_ms=_setup_timeout_ms(timeout_s),
     )
     return sms
 
 
-def _connect_groups(groups: list[list[Any]], capacity: int, num_sms: int, timeout_s: float) -> int:
+def _setup_timeout_ms(timeout_s: float) -> int:
+    """How long initialize/finalize wait for the other processes: they may start many seconds apart."""
+    return int(max(timeout_s, _SETUP_TIMEOUT_S) * 1000)
+
+
+def _connect_groups(
+    groups: list[list[Any]], capacity: int, num_sms: int, processes: list[int], timeout_s: float
+) -> int:
     """Allocates this process's GPUs of every group, swaps IPC handles with the other processes, connects."""
     me = jax.process_index()
     local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
     for _, rank, device in local:
         _extension.allocate(device.local_hardware_id, rank, len(groups[0]), capacity, num_sms)
     handles = {}
-    if any(d.process_index != me for g, _, _ in local for d in groups[g]):
+    if len(processes) > 1:
         client = _key_value_client()
         for g, rank, device in local:
             client.key_value_set_bytes(_handles_key(g, rank), _extension.export_handles(device.local_hardware_id))
@@ -195,9 +204,13 @@ def _connect_groups(groups: list[list[Any]], capacity: int, num_sms: int, timeou
         peer_handles = [handles.get((g, rank), b"") for rank in range(len(groups[g]))]
         _extension.connect(device.local_hardware_id, ordinals, peer_handles)
     sms = _extension.commit()
-    if handles:
-        _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/connected", int(timeout_s * 1000))
+    if len(processes) > 1:
+        _barrier("connected", processes, _setup_timeout_ms(timeout_s))
     return sms
+
+
+def _barrier(name: str, processes: list[int], timeout_ms: int) -> None:
+    _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/{name}", timeout_ms, process_ids=processes)
 
 
 def _handles_key(group: int, rank: int) -> str:
@@ -206,12 +219,12 @@ def _handles_key(group: int, rank: int) -> str:
 
 def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int) -> bytes:
     try:
-        return client.blocking_key_value_get_bytes(key, int(timeout_s * 1000))
+        return client.blocking_key_value_get_bytes(key, _setup_timeout_ms(timeout_s))
     except Exception as error:  # the client raises its own error types
         raise RuntimeError(
             f"jax_ep.initialize: rank {rank} ({device}, process {device.process_index}) did not publish its "
-            f"buffers within timeout_s={timeout_s}; every process must call jax_ep.initialize with the same "
-            f"mesh ({error})"
+            f"buffers within {_setup_timeout_ms(timeout_s) // 1000} s; every process must call jax_ep.initialize "
+            f"with the same mesh ({error})"
         ) from error
 
 
@@ -227,9 +240,9 @@ def _release() -> None:
     if _extension is None:
         return
     try:
-        if _state.get("multi_process"):
+        if len(_state.get("processes", ())) > 1:
             _extension.close_peer_mappings()
-            _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/released", int(_state["timeout_s"] * 1000))
+            _barrier("released", _state["processes"], _state["setup_timeout_ms"])
     finally:
         _extension.finalize()
         _state.clear()

@@ -122,10 +122,12 @@ def main():
     if mode == "compare":
         compare(mesh)
         jax_ep.finalize()
+        print("OK", flush=True)
+        jax.distributed.shutdown()  # both processes leave together
     else:
         peer_dies(mesh, process_id)
-    print("OK", flush=True)
-    os._exit(0)  # skip jax.distributed's shutdown handshake, which a departed peer would hold up
+        print("OK", flush=True)
+        os._exit(0)  # jax.distributed's shutdown would wait for the departed peer
 
 
 if __name__ == "__main__":

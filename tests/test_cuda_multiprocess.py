@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,42 +15,39 @@ pytestmark = require_cuda(min_gpus=2)
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
-def _run_pair(mode: str, timeout: float) -> list[str]:
+def _run_pair(mode: str, timeout: float, tmp_path: Path) -> list[tuple[int, str]]:
+    """Both workers' exit codes and outputs (each written to a file, so a full pipe cannot stall them)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(i), mode],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = []
+    logs = [tmp_path / f"{mode}_{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as sink:
+            command = [sys.executable, str(WORKER), str(port), str(i), mode]
+            procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail(f"{mode}: a worker did not finish within {timeout} s")
-        outputs.append(out)
-        print(out[-4000:])
-    return [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
+            pytest.fail(f"{mode}: a worker did not finish within {timeout} s:\n" + logs[0].read_text()[-3000:])
+    results = [(proc.returncode, log.read_text()) for proc, log in zip(procs, logs, strict=True)]
+    for i, (_, out) in enumerate(results):
+        print(f"--- worker {i} ---\n{out[-4000:]}")
+    return results
 
 
-def test_one_process_per_gpu_matches_xla():
-    for code, out in _run_pair("compare", timeout=300):
+def test_one_process_per_gpu_matches_xla(tmp_path):
+    for code, out in _run_pair("compare", timeout=300, tmp_path=tmp_path):
         assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
         assert out.count("cuda == xla") == 3
 
 
-def test_a_dead_peer_process_gives_a_clear_error_not_a_hang():
-    (code, out), _ = _run_pair("peer_dies", timeout=180)
+def test_a_dead_peer_process_gives_a_clear_error_not_a_hang(tmp_path):
+    (code, out), _ = _run_pair("peer_dies", timeout=180, tmp_path=tmp_path)
     assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
     assert "second call failed as expected" in out
