@@ -31,3 +31,18 @@ def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
         assert all(run["correct"] and run["roundtrip_us"] > 0 for run in runs.values())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert re.search(r"^\[ *\d+\.\d s\] training shape: T=64, H=128$", done.stdout, re.MULTILINE), done.stdout
+
+
+def test_multiprocess_bench_cpu_dry_run(tmp_path):
+    """Two processes under jax.distributed run the same timing loops together (xla backend, gloo on CPU)."""
+    out = tmp_path / "multiprocess.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(out), "--platform", "cpu"]
+    command += ["--backends", "xla", "--tokens", "64", "--hidden", "128", "--iters", "20", "--timeout", "240"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and len(result["devices"]) == 2
+    assert result["command"].startswith("python -m jax_ep.bench.multiprocess")
+    assert set(result["xla"]) >= {"dispatch_us", "combine_us", "dispatch_gbps", "combine_gbps"}
+    assert "process 1, xla" in done.stdout and "process 0, xla" in done.stdout

@@ -67,12 +67,13 @@ def _wall(fn, args) -> float:
     return float(np.median(times))
 
 
-def seconds_per_call(step, args, iters: int) -> float:
+def seconds_per_call(step, args, iters: int, adaptive: bool = True) -> float:
     """Device seconds of one ``step(i, *args)`` (returns a float32 scalar), from jitted loops.
 
     Trip counts are static, so XLA runs the loop without reading its condition back to the host each
     iteration. If ``iters`` extra calls take under 20 ms, the count is raised once to take about 25 ms,
-    which keeps host timer noise near 1%.
+    which keeps host timer noise near 1% (unless not ``adaptive``: processes that run one program together
+    must not pick their counts apart).
     """
 
     def looped(count):
@@ -85,7 +86,7 @@ def seconds_per_call(step, args, iters: int) -> float:
 
     once = _wall(looped(1), args)
     extra = _wall(looped(1 + iters), args) - once
-    if extra < 0.02:
+    if adaptive and extra < 0.02:
         iters = int(min(20_000, iters * 0.025 / max(extra, 1e-5)))
         extra = _wall(looped(1 + iters), args) - once
     return extra / iters
@@ -103,7 +104,7 @@ def make_inputs(ranks: int, tokens: int, hidden: int, seed: int = 0):
     return x, idx, w, int(max(pairs)) * hidden * 2
 
 
-def time_backend(backend, x, idx, w, *, layout="ragged", capacity=None, detail=False, iters=20) -> dict:
+def time_backend(backend, x, idx, w, *, layout="ragged", capacity=None, detail=False, iters=20, adaptive=True) -> dict:
     """Device µs of dispatch and combine (and, with detail, the routing part and the layout step)."""
     ranks = jax.sharding.get_abstract_mesh().shape["ep"]
     t = x.shape[0] // ranks
@@ -139,7 +140,7 @@ def time_backend(backend, x, idx, w, *, layout="ragged", capacity=None, detail=F
             return layout.slot_rank[i % t, 0].astype(jnp.float32)
 
         steps += [("routing_only_us", routing_step, (x, idx, w)), ("local_layout_us", layout_step, (idx,))]
-    return {name: seconds_per_call(step, args, iters) * 1e6 for name, step, args in steps}
+    return {name: seconds_per_call(step, args, iters, adaptive) * 1e6 for name, step, args in steps}
 
 
 def with_rates(result: dict, remote_bytes: int, copy_us: float) -> dict:

@@ -1,0 +1,125 @@
+"""The training shape with one process per GPU (jax.distributed on localhost), next to one process for all GPUs.
+
+    python -m jax_ep.bench.multiprocess OUT.json [--tokens 4096 --hidden 7168]
+
+Starts one worker per GPU; each calls ``jax.distributed.initialize`` and ``jax_ep.initialize`` over the mesh
+of all processes' GPUs (buffers mapped by CUDA IPC), then times dispatch and combine of both backends as
+``python -m jax_ep.bench`` does. Worker 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Runs the workers and waits for them; returns the first nonzero exit code, or 0."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env.setdefault("JAX_EP_COMMAND", "python -m jax_ep.bench.multiprocess " + " ".join(sys.argv[1:]))
+    command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(args.out), "--tokens", str(args.tokens)]
+    command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--processes", str(args.processes)]
+    command += ["--backends", args.backends, "--platform", args.platform]
+    workers = [subprocess.Popen([*command, "--worker", f"{port},{i}"], env=env) for i in range(args.processes)]
+    try:
+        codes = [worker.wait(timeout=args.timeout) for worker in workers]
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+        print(f"jax_ep.bench.multiprocess: no result within {args.timeout} s", flush=True)
+        return 1
+    return next((code for code in codes if code), 0)
+
+
+def work(args: argparse.Namespace) -> None:
+    """One worker: its GPU is local device ``process_id``."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    port, process_id = (int(v) for v in args.worker.split(","))
+    on_gpu = args.platform == "gpu"
+    if not on_gpu:  # a dry run: one CPU device per process, XLA's CPU collectives over gloo
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"localhost:{port}",
+        num_processes=args.processes,
+        process_id=process_id,
+        local_device_ids=[process_id] if on_gpu else None,
+    )
+    import jax_ep
+    from jax_ep import _cuda
+    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, progress, time_backend, with_rates
+    from jax_ep.bench.record import provenance
+
+    ranks = args.processes
+    mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    sizes = dict(num_tokens=args.tokens, hidden=args.hidden, topk=TOPK, num_experts=EXPERTS)
+    backends = args.backends.split(",")
+    sms = jax_ep.initialize(mesh, "ep", **sizes) if "cuda" in backends else None
+    *arrays, remote = make_inputs(ranks, args.tokens, args.hidden)  # the same in every process (fixed seed)
+    sharding = NamedSharding(mesh, P("ep"))
+    x, idx, w = (
+        jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+        for a in (np.asarray(array) for array in arrays)
+    )
+    # GPUs 0 and 1 are visible to every worker (local_device_ids only picks JAX's device).
+    copy_us = float("nan")
+    if on_gpu and process_id == 0:
+        copy_us = _cuda._extension.peer_copy_seconds(0, 1, remote, 20) * 1e6
+    result = {
+        **provenance("python -m jax_ep.bench.multiprocess"),
+        "processes": ranks,
+        "ranks": ranks,
+        "cuda_kernel_sms": sms,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "topk": TOPK,
+        "experts": EXPERTS,
+        "remote_bytes_per_rank": remote,
+        "peer_copy_us": copy_us,
+        "timing": "as python -m jax_ep.bench with a fixed count of iters calls per loop, measured in process 0",
+    }
+    with jax.set_mesh(mesh):
+        for backend in backends:
+            timings = time_backend(backend, x, idx, w, iters=args.iters, adaptive=False)
+            result[backend] = with_rates(timings, remote, copy_us)
+            progress(f"process {process_id}, {backend}: {result[backend]}")
+    if process_id == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}", flush=True)
+    if sms is not None:
+        jax_ep.finalize()
+    jax.distributed.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench.multiprocess", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--backends", default="cuda,xla")
+    parser.add_argument("--platform", default="gpu", help="cpu: a dry run of the xla backend")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before the workers are killed")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        work(args)
+    else:
+        sys.exit(launch(args))
+
+
+if __name__ == "__main__":
+    main()
