@@ -11,12 +11,14 @@ peer_hangs: process 1 stays alive but never enters a transfer; process 0's first
 
 import os
 import sys
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax._src import distributed  # noqa: E402  (its key-value client; jax has no public one)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -90,7 +92,6 @@ def compare(mesh):
 
 def peer_hangs(mesh, process_id):
     import jax_ep
-    from jax._src import distributed
 
     client = distributed.global_state.client
     if process_id == 1:  # alive (it keeps sending heartbeats) but never enters the transfer
@@ -126,10 +127,16 @@ def main():
     jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     if mode == "compare":
         compare(mesh)
+        jax_ep.finalize()  # collective: every process unmaps its peers' buffers before any frees its own
     else:
         peer_hangs(mesh, process_id)
     print("OK", flush=True)
-    os._exit(0)  # without jax.distributed's shutdown handshake, which a timed-out group cannot finish
+    # Leave together, without jax.distributed's shutdown handshake (a timed-out group cannot finish it);
+    # process 0 hosts the coordination service, so it goes last.
+    distributed.global_state.client.wait_at_barrier(f"{mode}/exit", 60_000)
+    if process_id == 0:
+        time.sleep(2)
+    os._exit(0)
 
 
 if __name__ == "__main__":
