@@ -53,7 +53,7 @@ def run(mesh, backend, x, idx, w, **kw):
         out = jax_ep.combine(d.x * 2 + 1, d.handle, weights=d.weights)
         return d.x[None], d.weights[None], d.group_sizes[None], out
 
-    def loss(x, w):
+    def loss(x, w, idx):  # idx is an argument: a jitted function cannot close over another process's shards
         def body(x, idx, w):
             d = jax_ep.dispatch(x, idx, w, axis_name="ep", backend=backend, **kw)
             y = jnp.tanh(d.x.astype(jnp.float32)).astype(x.dtype)
@@ -64,7 +64,7 @@ def run(mesh, backend, x, idx, w, **kw):
 
     with jax.set_mesh(mesh):
         outs = jax.jit(jax.shard_map(forward, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, idx)
     return [local(a) for a in (*outs, *grads)]
 
 
