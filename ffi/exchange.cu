@@ -16,8 +16,9 @@ __global__ void ArriveKernel(const int32_t* __restrict__ send_counts, GroupView 
   WaitFor(&group.signals->arrive[peer], epoch, peer, group);
 }
 
-__global__ void __launch_bounds__(kThreads) ExchangeSendKernel(const char* __restrict__ send, const int32_t* __restrict__ send_counts,
-                                   int64_t rows, int64_t row_bytes, GroupView group) {
+__global__ void __launch_bounds__(kThreads)
+    ExchangeSendKernel(const char* __restrict__ send, const int32_t* __restrict__ send_counts, int64_t rows,
+                       int64_t row_bytes, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -31,9 +32,9 @@ __global__ void __launch_bounds__(kThreads) ExchangeSendKernel(const char* __res
   SignalDataSent(group, epoch);
 }
 
-__global__ void __launch_bounds__(kThreads) ExchangeReceiveKernel(const char* __restrict__ send, char* __restrict__ recv,
-                                      int32_t* __restrict__ recv_counts, int64_t rows, int64_t row_bytes,
-                                      GroupView group) {
+__global__ void __launch_bounds__(kThreads)
+    ExchangeReceiveKernel(const char* __restrict__ send, char* __restrict__ recv, int32_t* __restrict__ recv_counts,
+                          int64_t rows, int64_t row_bytes, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const volatile int32_t* counts = group.signals->counts_in[epoch & 1];

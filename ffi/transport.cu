@@ -193,8 +193,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out,
-                                         int64_t num_tokens, int64_t hidden, GroupView group) {
+__global__ void __launch_bounds__(kThreads)
+    RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out, int64_t num_tokens,
+                             int64_t hidden, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const float* partial = reinterpret_cast<const float*>(group.own_buffer);

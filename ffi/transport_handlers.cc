@@ -119,7 +119,8 @@ ffi::Error TokensToRowsExecute(cudaStream_t stream, int32_t ordinal, TransportSt
   const auto rows_dims = recv_rows.dimensions();
   const int64_t num_rows = row_slot.element_count(), topk = rows_dims[2];
   if (token_dest_pos.dimensions()[0] != num_tokens || self_token.element_count() != static_cast<size_t>(num_tokens) ||
-      rows_dims[0] != num_ranks || rows_dims[1] != num_tokens || recv_counts.element_count() != static_cast<size_t>(num_ranks) ||
+      rows_dims[0] != num_ranks || rows_dims[1] != num_tokens ||
+      recv_counts.element_count() != static_cast<size_t>(num_ranks) ||
       out->size_bytes() != static_cast<size_t>(num_rows * row_bytes)) {
     return ffi::Error::InvalidArgument(
         "jax_ep_tokens_to_rows: expected token_dest_pos [T=" + Str(num_tokens) + ", R=" + Str(num_ranks) +
