@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -170,17 +171,20 @@ def time_ragged(x, idx, w, *, exchange, iters=20) -> dict:
 def ragged_in_children(args, tokens_list, hidden) -> dict:
     """Run the ragged baseline once per value of XLA's one-shot flag, each in a fresh process."""
     results = {}
-    for flag in ("true", "false"):
-        part = args.out.with_suffix(f".ragged_{flag}.json")
-        command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag, "--hidden", str(hidden)]
-        command += ["--ragged-tokens", ",".join(map(str, tokens_list)), "--platform", args.platform]
-        progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
-        try:
-            done = subprocess.run(command, check=False, timeout=args.ragged_timeout)
-        except subprocess.TimeoutExpired:
-            results[flag] = {"error": f"no result within {args.ragged_timeout} s"}
-            continue
-        results[flag] = json.loads(part.read_text()) if done.returncode == 0 else {"error": f"exit {done.returncode}"}
+    with tempfile.TemporaryDirectory() as scratch:  # the children's JSON, merged into ours
+        for flag in ("true", "false"):
+            part = Path(scratch) / f"ragged_{flag}.json"
+            command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag]
+            command += ["--hidden", str(hidden), "--ragged-tokens", ",".join(map(str, tokens_list))]
+            command += ["--platform", args.platform]
+            progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
+            try:
+                done = subprocess.run(command, check=False, timeout=args.ragged_timeout)
+            except subprocess.TimeoutExpired:
+                results[flag] = {"error": f"no result within {args.ragged_timeout} s"}
+                continue
+            failed = {"error": f"exit {done.returncode}"}
+            results[flag] = json.loads(part.read_text()) if done.returncode == 0 else failed
     return results
 
 
