@@ -14,7 +14,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build
   exit 1
 fi
 grep "jax_ep:" "$OUT/build.log"
-timeout 300 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py \
+timeout 400 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py \
   tests/test_cuda_multiprocess.py tests/test_cuda_trace.py 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 bench_args=("$@")
 [ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training)
