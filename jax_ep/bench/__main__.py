@@ -357,7 +357,7 @@ def plot(payload: dict, path: Path) -> None:
 def speedups(payload: dict) -> dict:
     """Dispatch + combine of backend cuda against xla and the ragged_all_to_all round trip, per measured shape."""
     out = {}
-    shapes = [payload.get("training", {}), *payload.get("sweep", [])]
+    shapes = [{**payload.get("training", {}), "suite": "training"}, *payload.get("sweep", [])]
     ragged = payload.get("ragged_all_to_all", {})
     for shape in shapes:
         if "cuda" not in shape:
@@ -372,7 +372,7 @@ def speedups(payload: dict) -> dict:
                 if "roundtrip_us" in run:
                     ratios[f"ragged_all_to_all_one_shot_{flag}"] = run["roundtrip_us"] / cuda_us
         if ratios:
-            out[f"T={shape['tokens']},H={shape['hidden']}"] = ratios
+            out[f"{shape.get('suite', 'sweep')} T={shape['tokens']},H={shape['hidden']}"] = ratios
     return out
 
 
