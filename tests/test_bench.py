@@ -46,3 +46,20 @@ def test_multiprocess_bench_cpu_dry_run(tmp_path):
     assert result["command"].startswith("python -m jax_ep.bench.multiprocess")
     assert set(result["xla"]) >= {"dispatch_us", "combine_us", "dispatch_gbps", "combine_gbps"}
     assert "process 1, xla" in done.stdout and "process 0, xla" in done.stdout
+
+
+def test_speedups_are_per_suite_and_shape():
+    from jax_ep.bench.__main__ import speedups
+
+    def timed(dispatch, combine):
+        return {"dispatch_us": dispatch, "combine_us": combine}
+
+    payload = {
+        "training": {"tokens": 4096, "hidden": 7168, "cuda": timed(1, 1), "xla": timed(2, 2)},
+        "sweep": [{"tokens": 4096, "hidden": 7168, "cuda": timed(1, 3), "xla": timed(2, 2)}],
+        "ragged_all_to_all": {"hidden": 7168, "one_shot": {"true": {"4096": {"roundtrip_us": 100}}, "false": {}}},
+    }
+    assert speedups(payload) == {
+        "training T=4096,H=7168": {"xla": 2.0, "ragged_all_to_all_one_shot_true": 50.0},
+        "sweep T=4096,H=7168": {"xla": 1.0, "ragged_all_to_all_one_shot_true": 25.0},
+    }
