@@ -1,10 +1,6 @@
 """backend="cuda" with one process per GPU (jax.distributed on localhost): peers' buffers by CUDA IPC."""
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,26 +12,20 @@ WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
 def _run_pair(mode: str, timeout: float, tmp_path: Path) -> list[tuple[int, str]]:
-    """Both workers' exit codes and outputs (each written to a file, so a full pipe cannot stall them)."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_FLAGS": ""}
+    """Both workers' exit codes and outputs."""
+    from jax_ep.bench.multiprocess import run_workers
+
     logs = [tmp_path / f"{mode}_{i}.log" for i in range(2)]
-    procs = []
-    for i, log in enumerate(logs):
-        with log.open("w") as sink:
-            command = [sys.executable, str(WORKER), str(port), str(i), mode]
-            procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"{mode}: a worker did not finish within {timeout} s:\n" + logs[0].read_text()[-3000:])
-    results = [(proc.returncode, log.read_text()) for proc, log in zip(procs, logs, strict=True)]
+    codes = run_workers(
+        lambda port, i: [sys.executable, str(WORKER), str(port), str(i), mode],
+        2,
+        timeout,
+        env={"XLA_FLAGS": ""},
+        logs=logs,
+    )
+    if codes is None:
+        pytest.fail(f"{mode}: a worker did not finish within {timeout} s:\n" + logs[0].read_text()[-3000:])
+    results = [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)]
     for i, (code, out) in enumerate(results):
         lines = [line for line in out.splitlines() if not line.lstrip().startswith("@ 0x")]
         print(f"--- worker {i} (exit {code}) ---\n" + "\n".join(lines)[-3000:])

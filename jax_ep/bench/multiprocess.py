@@ -10,30 +10,59 @@ of all processes' GPUs (buffers mapped by CUDA IPC), then times dispatch and com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+
+def run_workers(
+    command: Callable[[int, int], list[str]],
+    count: int,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    logs: list[Path] | None = None,
+) -> list[int] | None:
+    """Runs ``command(port, i)`` for i < count, with a free localhost port for jax.distributed's coordinator.
+
+    The workers run with NVLink multicast off and without GPU memory preallocation (they share the GPUs),
+    plus ``env``. Worker i writes to ``logs[i]`` when given (a file, so a full pipe cannot stall it), else
+    to our output. Returns the exit codes, or None once ``timeout`` seconds pass (then every worker is killed).
+    """
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    workers = []
+    for i in range(count):
+        with open(logs[i], "w") if logs else contextlib.nullcontext() as sink:
+            stderr = subprocess.STDOUT if logs else None
+            workers.append(subprocess.Popen(command(port, i), env=env, stdout=sink, stderr=stderr))
+    deadline = time.monotonic() + timeout
+    try:
+        return [worker.wait(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+        return None
 
 
 def launch(args: argparse.Namespace) -> int:
     """Runs the workers and waits for them; returns the first nonzero exit code, or 0."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    env.setdefault("JAX_EP_COMMAND", "python -m jax_ep.bench.multiprocess " + " ".join(sys.argv[1:]))
+    env = {
+        "JAX_EP_COMMAND": os.environ.get("JAX_EP_COMMAND")
+        or "python -m jax_ep.bench.multiprocess " + " ".join(sys.argv[1:])
+    }
     command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(args.out), "--tokens", str(args.tokens)]
     command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--processes", str(args.processes)]
     command += ["--backends", args.backends, "--platform", args.platform]
-    workers = [subprocess.Popen([*command, "--worker", f"{port},{i}"], env=env) for i in range(args.processes)]
-    try:
-        codes = [worker.wait(timeout=args.timeout) for worker in workers]
-    except subprocess.TimeoutExpired:
-        for worker in workers:
-            worker.kill()
+    codes = run_workers(lambda port, i: [*command, "--worker", f"{port},{i}"], args.processes, args.timeout, env)
+    if codes is None:
         print(f"jax_ep.bench.multiprocess: no result within {args.timeout} s", flush=True)
         return 1
     return next((code for code in codes if code), 0)
