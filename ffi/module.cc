@@ -114,15 +114,43 @@ NB_MODULE(_jax_ep_cuda, m) {
       nb::arg("ordinal"));
   m.def(
       "connect",
-      [](int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles) {
+      [](int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles,
+         const std::vector<bool>& by_nccl) {
         std::vector<jax_ep::RankAddress> ranks(ordinals.size());
         for (size_t r = 0; r < ranks.size(); ++r) {
           ranks[r].ordinal = ordinals[r];
           if (r < handles.size()) ranks[r].ipc_handles.assign(handles[r].c_str(), handles[r].size());
+          ranks[r].nccl = r < by_nccl.size() && by_nccl[r];
         }
         ThrowIfError(Pending()->Connect(ordinal, ranks));
       },
-      nb::arg("ordinal"), nb::arg("ordinals"), nb::arg("handles"));
+      nb::arg("ordinal"), nb::arg("ordinals"), nb::arg("handles"), nb::arg("by_nccl"));
+  m.def("nccl_unique_id", []() {
+    ncclUniqueId id;
+    const ncclResult_t result = ncclGetUniqueId(&id);
+    if (result != ncclSuccess) {
+      throw std::runtime_error(std::string("jax_ep.initialize: ncclGetUniqueId failed: ") +
+                               ncclGetErrorString(result));
+    }
+    return nb::bytes(id.internal, sizeof(id.internal));
+  });
+  m.def(
+      "connect_nccl",
+      [](const std::vector<int>& ordinals, const std::vector<nb::bytes>& unique_ids, int64_t timeout_ms) {
+        std::vector<std::string> ids;
+        for (const nb::bytes& id : unique_ids) ids.emplace_back(id.c_str(), id.size());
+        nb::gil_scoped_release release;  // ncclCommInitRank waits for the other processes
+        ThrowIfError(Pending()->ConnectNccl(ordinals, ids, timeout_ms));
+      },
+      nb::arg("ordinals"), nb::arg("unique_ids"), nb::arg("timeout_ms"));
+  m.def(
+      "can_access_peer",
+      [](int ordinal, int peer) {
+        int can_access = 0;
+        if (cudaDeviceCanAccessPeer(&can_access, ordinal, peer) != cudaSuccess) cudaGetLastError();
+        return can_access != 0;
+      },
+      nb::arg("ordinal"), nb::arg("peer"));
   m.def("commit", []() {
     const int sms = Pending()->MinSms();
     jax_ep::CommitResources();

@@ -94,8 +94,14 @@ std::string Resources::Connect(int ordinal, const std::vector<RankAddress>& rank
   cudaError_t status = cudaSetDevice(ordinal);
   if (status != cudaSuccess) return CudaError("cudaSetDevice", ordinal, status);
   PeerTable table{};
+  device.nccl_ranks = 0;
   for (int rank = 0; rank < device.num_ranks; ++rank) {
     const RankAddress& address = ranks[rank];
+    if (address.nccl) {
+      if (rank == device.rank) return "jax_ep.initialize: a GPU cannot reach itself through NCCL";
+      device.nccl_ranks |= uint64_t{1} << rank;
+      continue;
+    }
     if (address.ordinal >= 0) {
       auto peer = devices_.find(address.ordinal);
       if (peer == devices_.end() || peer->second.rank != rank) {
@@ -107,7 +113,7 @@ std::string Resources::Connect(int ordinal, const std::vector<RankAddress>& rank
         cudaDeviceCanAccessPeer(&can_access, ordinal, address.ordinal);
         if (!can_access) {
           return "jax_ep.initialize: GPU " + Str(ordinal) + " cannot access GPU " + Str(address.ordinal) +
-                 " by P2P; backend='cuda' needs NVLink/P2P peers";
+                 " by P2P, so it must reach it through NCCL";
         }
         status = cudaDeviceEnablePeerAccess(address.ordinal, 0);
         if (status == cudaErrorPeerAccessAlreadyEnabled) {
@@ -135,7 +141,7 @@ std::string Resources::Connect(int ordinal, const std::vector<RankAddress>& rank
     if (status != cudaSuccess) {
       return "jax_ep.initialize: GPU " + Str(ordinal) + " could not map the buffers of rank " + Str(rank) +
              " from its process (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) +
-             "); backend='cuda' needs NVLink/P2P between the GPUs of an EP group";
+             "); GPUs of one host must reach each other by P2P, or pass transport='nccl'";
     }
     table.recv_buffer[rank] = static_cast<char*>(recv_buffer);
     table.signals[rank] = static_cast<Signals*>(signals);
@@ -144,6 +150,47 @@ std::string Resources::Connect(int ordinal, const std::vector<RankAddress>& rank
   if (status == cudaSuccess) status = cudaDeviceSynchronize();
   if (status != cudaSuccess) return CudaError("publishing the peer table", ordinal, status);
   return "";
+}
+
+std::string Resources::ConnectNccl(const std::vector<int>& ordinals, const std::vector<std::string>& unique_ids,
+                                   int64_t timeout_ms) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (ordinals.size() != unique_ids.size()) return "jax_ep.initialize: one NCCL unique id per GPU is needed";
+  std::vector<NcclLink::Spec> specs;
+  for (size_t i = 0; i < ordinals.size(); ++i) {
+    auto it = devices_.find(ordinals[i]);
+    if (it == devices_.end()) return "jax_ep.initialize: GPU " + Str(ordinals[i]) + " was not allocated";
+    const DeviceResources& device = it->second;
+    specs.push_back({device.ordinal, device.rank, device.num_ranks, device.nccl_ranks, unique_ids[i],
+                     device.recv_buffer, device.capacity_bytes, device.missing_peer});
+  }
+  std::vector<std::unique_ptr<NcclLink>> links;
+  std::string error = NcclLink::Create(specs, std::chrono::milliseconds(timeout_ms), &links);
+  for (size_t i = 0; i < links.size(); ++i) devices_[ordinals[i]].nccl = std::move(links[i]);
+  if (!error.empty()) return error;
+  std::vector<NcclLink*> watched;  // fixed from here until Release, which stops the watchdog before freeing
+  for (auto& [ordinal, device] : devices_) {
+    if (device.nccl) watched.push_back(device.nccl.get());
+  }
+  StopWatchdog();
+  stop_watchdog_ = false;
+  watchdog_ = std::thread([this, watched] {
+    while (!stop_watchdog_.load()) {
+      for (NcclLink* link : watched) link->Check();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  return "";
+}
+
+Resources::~Resources() {
+  StopWatchdog();
+  for (auto& [ordinal, device] : devices_) device.nccl.release();  // NOLINT: no CUDA calls during exit
+}
+
+void Resources::StopWatchdog() {
+  stop_watchdog_ = true;
+  if (watchdog_.joinable()) watchdog_.join();
 }
 
 void Resources::ClosePeerMappings() {
@@ -159,9 +206,11 @@ void Resources::ClosePeerMappings() {
 
 void Resources::Release() {
   ClosePeerMappings();
+  StopWatchdog();
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceGuard guard;
   for (auto& [ordinal, device] : devices_) {
+    device.nccl.reset();
     cudaSetDevice(ordinal);
     cudaFree(device.recv_buffer);
     cudaFree(device.signals);

@@ -71,15 +71,31 @@ __device__ inline void SignalDataSent(const GroupView& group, uint64_t epoch) {
     group.signals->items_taken[0] = 0;
     group.signals->items_taken[1] = 0;
     for (int peer = 0; peer < group.num_ranks; ++peer) {
-      StoreRelease(&group.peers->signals[peer]->data[group.rank], epoch);
+      if (!ByNccl(group, peer)) StoreRelease(&group.peers->signals[peer]->data[group.rank], epoch);
     }
   }
 }
 
-// Receive kernels start here: every block waits until all peers' rows have landed.
+// Receive kernels start here: every block waits until all peers' rows have landed (those of NCCL ranks
+// landed before the kernel started: the NCCL swap precedes it on the stream).
 __device__ inline void WaitDataReceived(const GroupView& group, uint64_t epoch) {
-  if (threadIdx.x < group.num_ranks) WaitFor(&group.signals->data[threadIdx.x], epoch, threadIdx.x, group);
+  const int peer = threadIdx.x;
+  if (peer < group.num_ranks && !ByNccl(group, peer)) WaitFor(&group.signals->data[peer], epoch, peer, group);
   __syncthreads();
+}
+
+// Where this rank's rows for rank `dest` go, each region holding region_bytes: region `rank` of dest's
+// receive buffer, or for a rank reached through NCCL, region `dest` of this rank's outbox.
+__device__ inline char* SendRegion(const GroupView& group, int dest, int64_t region_bytes) {
+  return ByNccl(group, dest) ? group.outbox + dest * region_bytes
+                             : group.peers->recv_buffer[dest] + group.rank * region_bytes;
+}
+
+// The rows count rank `source` sent with this transfer (LaunchArrive's send_counts).
+__device__ inline int32_t CountFrom(const GroupView& group, uint64_t epoch, int source) {
+  const volatile int32_t* counts =
+      ByNccl(group, source) ? group.signals->counts_by_nccl : group.signals->counts_in[epoch & 1];
+  return counts[source];
 }
 
 // Receive kernels end here: the last block closes the transfer by advancing the epoch.

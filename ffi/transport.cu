@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(kThreads)
     const int dest = static_cast<int>(pair % num_ranks);
     const int32_t pos = token_dest_pos[pair];
     if (dest == group.rank || pos < 0) return;
-    char* remote = group.peers->recv_buffer[dest] + (group.rank * num_tokens + pos) * row_bytes;
-    CopyRow(x + t * row_bytes, remote, row_bytes, lane);
+    CopyRow(x + t * row_bytes, SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes, row_bytes, lane);
   };
   auto fill_local = [&](int64_t item) {
     if (item < num_tokens) {
@@ -147,8 +146,7 @@ __global__ void __launch_bounds__(kThreads)
       held += __popc(valid);
     }
     __syncwarp();
-    char* base = source == group.rank ? group.own_buffer : group.peers->recv_buffer[source];
-    float* dst = reinterpret_cast<float*>(base) + (group.rank * num_tokens + i) * hidden;
+    float* dst = reinterpret_cast<float*>(SendRegion(group, source, num_tokens * hidden * 4)) + i * hidden;
     const int32_t* rows = held_rows[warp_in_block];
     const float* row_weights = held_weights[warp_in_block];
     for (int64_t e = lane * width; e < hidden; e += 32 * width) {
@@ -226,55 +224,58 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T>
-cudaError_t LaunchRowsToTokensTyped(const T* y, const float* weights, const int32_t* recv_rows,
+std::string LaunchRowsToTokensTyped(const T* y, const float* weights, const int32_t* recv_rows,
                                     const int32_t* recv_counts, const int32_t* token_dest_pos, T* out,
                                     int64_t num_tokens, int64_t hidden, int64_t topk, const GroupView& group,
-                                    cudaStream_t stream) {
-  cudaError_t status = LaunchArrive(nullptr, group, stream);
-  if (status != cudaSuccess) return status;
+                                    const NcclSwap& swap, cudaStream_t stream) {
+  std::string error = LaunchArrive(nullptr, group, stream);
+  if (!error.empty()) return error;
   RowsToTokensSendKernel<T><<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
       y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, group);
-  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  if (!(error = LaunchStatus("RowsToTokensSendKernel")).empty()) return error;
+  const int64_t region_bytes = num_tokens * hidden * 4;
+  if (group.nccl_ranks != 0 && !(error = swap(group.outbox, region_bytes, nullptr)).empty()) return error;
   RowsToTokensReduceKernel<T>
       <<<BlocksFor(num_tokens, group), kThreads, 0, stream>>>(token_dest_pos, out, num_tokens, hidden, group);
-  return cudaGetLastError();
+  return LaunchStatus("RowsToTokensReduceKernel");
 }
 
 }  // namespace
 
-cudaError_t LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, const int32_t* self_token,
+std::string LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, const int32_t* self_token,
                                const int32_t* recv_rows, const int32_t* recv_counts, const int32_t* row_slot,
                                char* out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
-                               const GroupView& group, cudaStream_t stream) {
-  cudaError_t status = LaunchArrive(nullptr, group, stream);
-  if (status != cudaSuccess) return status;
+                               const GroupView& group, const NcclSwap& swap, cudaStream_t stream) {
+  std::string error = LaunchArrive(nullptr, group, stream);
+  if (!error.empty()) return error;
   const int64_t items = num_tokens * group.num_ranks + num_tokens + num_rows;
   TokensToRowsSendKernel<<<BlocksFor(items, group), kThreads, 0, stream>>>(
       x, token_dest_pos, self_token, recv_rows, recv_counts, row_slot, out, num_tokens, row_bytes, num_rows, topk,
       group);
-  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  if (!(error = LaunchStatus("TokensToRowsSendKernel")).empty()) return error;
+  if (group.nccl_ranks != 0 && !(error = swap(group.outbox, num_tokens * row_bytes, nullptr)).empty()) return error;
   TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
       recv_rows, recv_counts, out, num_tokens, row_bytes, topk, group);
-  return cudaGetLastError();
+  return LaunchStatus("TokensToRowsExpandKernel");
 }
 
-cudaError_t LaunchRowsToTokens(const void* y, const float* weights, const int32_t* recv_rows,
+std::string LaunchRowsToTokens(const void* y, const float* weights, const int32_t* recv_rows,
                                const int32_t* recv_counts, const int32_t* token_dest_pos, void* out,
                                FloatType type, int64_t num_tokens, int64_t hidden, int64_t topk,
-                               const GroupView& group, cudaStream_t stream) {
+                               const GroupView& group, const NcclSwap& swap, cudaStream_t stream) {
   switch (type) {
     case FloatType::kF32:
       return LaunchRowsToTokensTyped(static_cast<const float*>(y), weights, recv_rows, recv_counts, token_dest_pos,
-                                     static_cast<float*>(out), num_tokens, hidden, topk, group, stream);
+                                     static_cast<float*>(out), num_tokens, hidden, topk, group, swap, stream);
     case FloatType::kBF16:
       return LaunchRowsToTokensTyped(static_cast<const __nv_bfloat16*>(y), weights, recv_rows, recv_counts,
                                      token_dest_pos, static_cast<__nv_bfloat16*>(out), num_tokens, hidden, topk,
-                                     group, stream);
+                                     group, swap, stream);
     case FloatType::kF16:
       return LaunchRowsToTokensTyped(static_cast<const __half*>(y), weights, recv_rows, recv_counts, token_dest_pos,
-                                     static_cast<__half*>(out), num_tokens, hidden, topk, group, stream);
+                                     static_cast<__half*>(out), num_tokens, hidden, topk, group, swap, stream);
   }
-  return cudaErrorInvalidValue;
+  return "unknown float type";
 }
 
 }  // namespace jax_ep

@@ -53,6 +53,15 @@ ffi::ErrorOr<GroupView> FindGroup(const char* op, int32_t ordinal, const Transpo
             "since this computation was compiled)"));
   }
   const int32_t missing = *reinterpret_cast<volatile const int32_t*>(device->missing_peer);
+  if (missing < 0) {
+    return ffi::Unexpected(ffi::Error(
+        ffi::ErrorCode::kDeadlineExceeded,
+        std::string(op) + ": an earlier NCCL swap on GPU " + Str(ordinal) + " (rank " + Str(device->rank) +
+            ") with the ranks it reaches through NCCL did not finish within the timeout_s given to "
+            "jax_ep.initialize, so its communicator was aborted, that call's outputs are invalid and the group is "
+            "out of step. Find why a rank stopped (a crashed process, a hung GPU, a computation that runs on only "
+            "part of the mesh), then call jax_ep.initialize again"));
+  }
   if (missing != 0) {
     return ffi::Unexpected(ffi::Error(
         ffi::ErrorCode::kDeadlineExceeded,
@@ -69,13 +78,30 @@ ffi::ErrorOr<GroupView> FindGroup(const char* op, int32_t ordinal, const Transpo
                                                               "reserved " +
             Str(device->capacity_bytes) + "; initialize with larger sizes (see jax_ep.buffer_size_hint)"));
   }
-  return GroupView{device->rank,   device->num_ranks, device->recv_buffer, device->signals,
-                   device->peers,  timeout_cycles,    device->num_sms,     device->missing_peer_on_device};
+  return GroupView{device->rank,
+                   device->num_ranks,
+                   device->recv_buffer,
+                   device->signals,
+                   device->peers,
+                   timeout_cycles,
+                   device->num_sms,
+                   device->missing_peer_on_device,
+                   device->nccl_ranks,
+                   device->nccl ? device->nccl->outbox() : nullptr};
 }
 
-ffi::Error LaunchError(const char* op, cudaError_t status) {
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": kernel launch failed: " + cudaGetErrorString(status));
+// The swap with the ranks the GPU reaches through NCCL, for a transfer's launcher.
+NcclSwap SwapFor(const TransportState* state, int32_t ordinal, const GroupView& group, cudaStream_t stream) {
+  return [=](const char* send, int64_t region_bytes, const int32_t* send_counts) -> std::string {
+    const DeviceResources* device = state->resources->Find(ordinal);
+    if (device == nullptr || !device->nccl) return "GPU " + Str(ordinal) + " has no NCCL link";
+    return device->nccl->Swap(group, send, region_bytes, send_counts, stream);
+  };
+}
+
+ffi::Error LaunchError(const char* op, const std::string& error) {
+  if (error.empty()) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(op) + ": " + error);
 }
 
 ffi::Error CheckRanks(const char* op, const char* name, int64_t actual, int64_t num_ranks) {
@@ -101,7 +127,7 @@ ffi::Error ExchangeExecute(cudaStream_t stream, int32_t ordinal, TransportState*
   const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(send.size_bytes()) / (group->num_ranks * rows);
   return LaunchError(kOp, LaunchExchange(static_cast<const char*>(send.untyped_data()), send_counts.typed_data(),
                                          static_cast<char*>(recv->untyped_data()), recv_counts->typed_data(), rows,
-                                         row_bytes, *group, stream));
+                                         row_bytes, *group, SwapFor(state, ordinal, *group, stream), stream));
 }
 
 ffi::Error TokensToRowsExecute(cudaStream_t stream, int32_t ordinal, TransportState* state, int64_t timeout_cycles,
@@ -134,7 +160,8 @@ ffi::Error TokensToRowsExecute(cudaStream_t stream, int32_t ordinal, TransportSt
                                              self_token.typed_data(), recv_rows.typed_data(),
                                              recv_counts.typed_data(), row_slot.typed_data(),
                                              static_cast<char*>(out->untyped_data()), num_tokens, row_bytes,
-                                             num_rows, topk, *group, stream));
+                                             num_rows, topk, *group, SwapFor(state, ordinal, *group, stream),
+                                             stream));
 }
 
 ffi::Error RowsToTokensExecute(cudaStream_t stream, int32_t ordinal, TransportState* state, int64_t timeout_cycles,
@@ -174,7 +201,8 @@ ffi::Error RowsToTokensExecute(cudaStream_t stream, int32_t ordinal, TransportSt
   }
   return LaunchError(kOp, LaunchRowsToTokens(y.untyped_data(), weights.typed_data(), recv_rows.typed_data(),
                                              recv_counts.typed_data(), token_dest_pos.typed_data(),
-                                             out->untyped_data(), type, num_tokens, hidden, topk, *group, stream));
+                                             out->untyped_data(), type, num_tokens, hidden, topk, *group,
+                                             SwapFor(state, ordinal, *group, stream), stream));
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 
 from ._api import combine, default_capacity, dispatch
 from ._cuda import available as cuda_available
-from ._cuda import buffer_size_hint, finalize, initialize
+from ._cuda import buffer_size_hint, finalize, initialize, nccl_ranks
 from ._types import Dispatched, Handle
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "dispatch",
     "finalize",
     "initialize",
+    "nccl_ranks",
 ]
 __version__ = "0.1.0"

@@ -8,6 +8,9 @@ created by :func:`initialize` before any computation runs, never during one.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import socket
 from collections.abc import Hashable
 from typing import Any
 
@@ -32,6 +35,7 @@ COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 MAX_FUSED_TOPK = 64
 _CYCLES_PER_SECOND = 2_000_000_000  # SM clock upper bound; timeouts are approximate
 _SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
+TRANSPORTS = ("auto", "nccl")
 _state: dict[str, Any] = {}  # what initialize() set up: axis_name, num_ranks, timeout_cycles, ...
 _generation = 0  # initialize() calls so far: names this call's keys in jax.distributed's key-value store
 
@@ -107,6 +111,7 @@ def initialize(
     dtype: Any = jnp.float32,
     timeout_s: float = 60.0,
     num_sms: int | None = None,
+    transport: str = "auto",
 ) -> int:
     """Create the peer-mapped buffers of backend "cuda" for every EP group of ``mesh``.
 
@@ -115,14 +120,23 @@ def initialize(
     over several processes (after ``jax.distributed.initialize``, one or more
     GPUs each), every process calls ``initialize`` with the same arguments and
     the processes swap CUDA IPC handles of their buffers through
-    ``jax.distributed``'s key-value store. Either way the GPUs of a group must
-    reach each other by NVLink/P2P. Sizes are per rank, as
+    ``jax.distributed``'s key-value store.
+
+    How rows travel between two GPUs of a group: with ``transport="auto"``,
+    by stores over NVLink/P2P into each other's buffers when both are on one
+    host and can reach each other by P2P, and through NCCL otherwise (other
+    hosts, no P2P, or ``NCCL_P2P_DISABLE=1`` in the environment).
+    ``transport="nccl"`` sends every pair of distinct GPUs through NCCL.
+    NCCL moves fixed-size regions of ``T`` rows per rank pair, so the counts
+    never leave the GPU. Sizes are per rank, as
     seen inside ``shard_map``: ``num_tokens`` T, ``hidden`` H, ``topk`` K,
     ``num_experts`` E, and the widest ``dtype`` that is dispatched. A later call
     with larger shapes fails with a clear error. A rank waiting longer than
     ``timeout_s`` for its peers gives up instead of hanging: that call's outputs
     are invalid, and the next call on that GPU fails with an error naming the
-    rank that never came, until ``initialize`` is called again. Calling again
+    rank that never came, until ``initialize`` is called again (an NCCL
+    transfer that does not finish within ``timeout_s`` aborts the group's
+    communicator, with the same effect). Calling again
     replaces the buffers; :func:`finalize` releases them.
 
     ``num_sms`` caps the SMs each transfer kernel occupies (one block of 1024
@@ -136,6 +150,8 @@ def initialize(
         raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
     if num_sms is not None:
         num_sms = check_positive_int("num_sms", num_sms)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got {transport!r}")
     if axis_name not in mesh.axis_names:
         raise ValueError(f"jax_ep.initialize: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     platforms = sorted({device.platform for device in mesh.devices.flat})
@@ -162,7 +178,7 @@ def initialize(
     _generation += 1
     _extension.begin()
     try:
-        sms = _connect_groups(groups, capacity, num_sms or 0, sorted(processes), timeout_s)
+        sms, nccl_ranks = _connect_groups(groups, capacity, num_sms or 0, sorted(processes), timeout_s, transport)
     except BaseException:
         _extension.close_peer_mappings()
         _extension.finalize()
@@ -173,8 +189,14 @@ def initialize(
         timeout_cycles=int(timeout_s * _CYCLES_PER_SECOND),
         processes=sorted(processes),
         setup_timeout_ms=_setup_timeout_ms(timeout_s),
+        nccl_ranks=nccl_ranks,
     )
     return sms
+
+
+def nccl_ranks() -> dict[Any, tuple[int, ...]]:
+    """For each of this process's GPUs in an EP group: the ranks it reaches through NCCL, not by peer stores."""
+    return dict(_state.get("nccl_ranks", {}))
 
 
 def _setup_timeout_ms(timeout_s: float) -> int:
@@ -183,38 +205,103 @@ def _setup_timeout_ms(timeout_s: float) -> int:
 
 
 def _connect_groups(
-    groups: list[list[Any]], capacity: int, num_sms: int, processes: list[int], timeout_s: float
-) -> int:
-    """Allocates this process's GPUs of every group, swaps IPC handles with the other processes, connects."""
+    groups: list[list[Any]], capacity: int, num_sms: int, processes: list[int], timeout_s: float, transport: str
+) -> tuple[int, dict[Any, tuple[int, ...]]]:
+    """Allocates this process's GPUs of every group, swaps IPC handles and NCCL ids with the other processes,
+    connects. Returns the SMs the kernels may use and each local GPU's NCCL ranks."""
     me = jax.process_index()
     local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
     for _, rank, device in local:
         _extension.allocate(device.local_hardware_id, rank, len(groups[0]), capacity, num_sms)
+    client = _key_value_client() if len(processes) > 1 else None
+    by_nccl = _nccl_pairs(groups, local, transport, client, timeout_s)
     handles = {}
-    if len(processes) > 1:
-        client = _key_value_client()
+    if client is not None:
         for g, rank, device in local:
-            client.key_value_set_bytes(_handles_key(g, rank), _extension.export_handles(device.local_hardware_id))
+            client.key_value_set_bytes(_key("handles", g, rank), _extension.export_handles(device.local_hardware_id))
         for g in sorted({g for g, _, _ in local}):
             for rank, device in enumerate(groups[g]):
-                if device.process_index != me:
-                    handles[g, rank] = _fetch(client, _handles_key(g, rank), timeout_s, device, rank)
-    for g, _, device in local:
+                peer_stores = any(not by_nccl[g][mine][rank] for h, mine, _ in local if h == g)
+                if device.process_index != me and peer_stores:
+                    handles[g, rank] = _fetch(client, _key("handles", g, rank), timeout_s, device, rank)
+    for g, rank, device in local:
         ordinals = [d.local_hardware_id if d.process_index == me else -1 for d in groups[g]]
-        peer_handles = [handles.get((g, rank), b"") for rank in range(len(groups[g]))]
-        _extension.connect(device.local_hardware_id, ordinals, peer_handles)
+        peer_handles = [handles.get((g, r), b"") for r in range(len(groups[g]))]
+        _extension.connect(device.local_hardware_id, ordinals, peer_handles, by_nccl[g][rank])
+    nccl_groups = sorted({g for g, _, _ in local if any(any(row) for row in by_nccl[g])})
+    if nccl_groups:
+        ids = {g: _nccl_unique_id(groups[g], g, client, timeout_s) for g in nccl_groups}
+        members = [(g, d) for g, _, d in local if g in ids]
+        _extension.connect_nccl(
+            [d.local_hardware_id for _, d in members], [ids[g] for g, _ in members], int(timeout_s * 1000)
+        )
     sms = _extension.commit()
-    if len(processes) > 1:
+    if client is not None:
         _barrier("connected", processes, _setup_timeout_ms(timeout_s))
-    return sms
+    reached = {d: tuple(r for r, nccl in enumerate(by_nccl[g][rank]) if nccl) for g, rank, d in local}
+    return sms, reached
+
+
+def _nccl_pairs(
+    groups: list[list[Any]], local: list[tuple[int, int, Any]], transport: str, client: Any, timeout_s: float
+) -> list[list[list[bool]]]:
+    """``[g][a][b]``: whether ranks a and b of group g swap rows through NCCL; the same in every process."""
+    force = transport == "nccl" or os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
+    no_p2p = [
+        [g, a, b]
+        for g, a, d in local
+        for h, b, e in local
+        if h == g and a != b and not _extension.can_access_peer(d.local_hardware_id, e.local_hardware_id)
+    ]
+    facts = {jax.process_index(): {"host": socket.gethostname(), "force": force, "no_p2p": no_p2p}}
+    if client is not None:
+        client.key_value_set(_key("facts", jax.process_index()), json.dumps(facts[jax.process_index()]))
+        for process in {d.process_index for group in groups for d in group} - set(facts):
+            key = _key("facts", process)
+            try:
+                facts[process] = json.loads(client.blocking_key_value_get(key, _setup_timeout_ms(timeout_s)))
+            except Exception as error:  # the client raises its own error types
+                raise RuntimeError(
+                    f"jax_ep.initialize: process {process} did not call jax_ep.initialize within "
+                    f"{_setup_timeout_ms(timeout_s) // 1000} s ({error})"
+                ) from error
+    if len({fact["force"] for fact in facts.values()}) > 1:
+        raise ValueError(
+            "jax_ep.initialize: the processes disagree on sending every pair through NCCL: pass the same "
+            "transport everywhere and set NCCL_P2P_DISABLE alike in every process"
+        )
+    missing = {tuple(pair) for fact in facts.values() for pair in fact["no_p2p"]}
+    host = {process: fact["host"] for process, fact in facts.items()}
+    return [
+        [
+            [
+                a != b and (force or host[d.process_index] != host[e.process_index] or (g, a, b) in missing)
+                for b, e in enumerate(group)
+            ]
+            for a, d in enumerate(group)
+        ]
+        for g, group in enumerate(groups)
+    ]
+
+
+def _nccl_unique_id(group: list[Any], g: int, client: Any, timeout_s: float) -> bytes:
+    """The NCCL id of group g: made by the process of its rank 0 and passed through the key-value store."""
+    if client is None:
+        return _extension.nccl_unique_id()
+    if group[0].process_index == jax.process_index():
+        unique_id = _extension.nccl_unique_id()
+        client.key_value_set_bytes(_key("nccl_id", g), unique_id)
+        return unique_id
+    return _fetch(client, _key("nccl_id", g), timeout_s, group[0], 0)
 
 
 def _barrier(name: str, processes: list[int], timeout_ms: int) -> None:
-    _key_value_client().wait_at_barrier(f"jax_ep/{_generation}/{name}", timeout_ms, process_ids=processes)
+    _key_value_client().wait_at_barrier(_key(name), timeout_ms, process_ids=processes)
 
 
-def _handles_key(group: int, rank: int) -> str:
-    return f"jax_ep/{_generation}/handles/{group}/{rank}"
+def _key(*parts: Any) -> str:
+    """A key of this initialize call in jax.distributed's key-value store."""
+    return "/".join(["jax_ep", str(_generation), *map(str, parts)])
 
 
 def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int) -> bytes:

@@ -3,7 +3,8 @@
     python tests/multiprocess_worker.py PORT PROCESS_ID {compare,peer_hangs}
 
 compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
-           within float32 rounding, gradients; random routings. Prints "OK" at the end.
+           within float32 rounding, gradients; random routings. Prints the ranks it reaches through NCCL
+           (all with NCCL_P2P_DISABLE=1), and "OK" at the end.
 peer_hangs: process 1 stays alive but never enters a transfer; process 0's first dispatch gives up after
            timeout_s and its next one fails naming rank 1. Prints "OK" at the end. (A process that dies is
            reported by jax.distributed itself, which stops the others.)
@@ -94,15 +95,18 @@ def peer_hangs(mesh, process_id):
     import jax_ep
 
     client = distributed.global_state.client
-    if process_id == 1:  # alive (it keeps sending heartbeats) but never enters the transfer
-        client.blocking_key_value_get("peer_hangs/done", 120_000)
-        return
     x, idx, w = inputs(mesh, 64, 256, 4, 16, jnp.float32, seed=7, messy=False)
 
     def body(x, idx, w):
         return jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda").x
 
     step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
+    with jax.set_mesh(mesh):  # both compile: XLA shares autotuning results between the processes
+        step = step.lower(x, idx, w).compile()
+    print(f"process {process_id} compiled", flush=True)
+    if process_id == 1:  # alive (it keeps sending heartbeats) but never enters the transfer
+        client.blocking_key_value_get("peer_hangs/done", 120_000)
+        return
     with jax.set_mesh(mesh):
         jax.block_until_ready(step(x, idx, w))  # gives up after timeout_s
         try:
@@ -126,6 +130,7 @@ def main():
     timeout_s = 3.0 if mode == "peer_hangs" else 30.0
     jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     if mode == "compare":
+        print(f"NCCL ranks: {list(jax_ep.nccl_ranks()[mesh.local_devices[0]])}", flush=True)
         compare(mesh)
         jax_ep.finalize()  # collective: every process unmaps its peers' buffers before any frees its own
     else:

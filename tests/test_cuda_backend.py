@@ -1,4 +1,8 @@
-"""backend="cuda" against backend="xla" on 2 GPUs: dispatch bit for bit, combine within rounding, gradients."""
+"""backend="cuda" against backend="xla" on 2 GPUs: dispatch bit for bit, combine within rounding, gradients.
+
+Every test runs twice: with the GPUs reaching each other by peer stores over NVLink (transport "auto"), and
+with every pair going through NCCL (transport "nccl", as for peers without P2P).
+"""
 
 import functools
 import time
@@ -17,14 +21,27 @@ MAX_TOKENS = 512
 SIZES = dict(num_tokens=MAX_TOKENS, hidden=7168, topk=8, num_experts=256, dtype=jnp.float32, timeout_s=20.0)
 
 
+@pytest.fixture(scope="module", params=["auto", "nccl"])
+def transport(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def mesh():
+def mesh(transport):
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpu_devices()[:R])
-    jax_ep.initialize(mesh, "ep", **SIZES)
+    jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
     yield mesh
     jax_ep.finalize()
+
+
+def test_pairs_go_by_the_transport_asked_for(mesh, transport):
+    import jax_ep
+
+    devices = list(mesh.devices.flat)
+    want = {d: () for d in devices} if transport == "auto" else {d: (R - 1 - r,) for r, d in enumerate(devices)}
+    assert jax_ep.nccl_ranks() == want
 
 
 def _routing(kind, tokens, topk, experts, rng):
@@ -101,7 +118,7 @@ def _assert_same(cuda, xla, dtype):
 
 
 @pytest.mark.parametrize("num_sms", [1, 3])
-def test_small_sm_budget_gives_the_same_results(mesh, num_sms):
+def test_small_sm_budget_gives_the_same_results(mesh, transport, num_sms):
     """One block (peer list first, then local) and three (both lists from the start) move the same data."""
     import jax_ep
 
@@ -109,10 +126,10 @@ def test_small_sm_budget_gives_the_same_results(mesh, num_sms):
     kw = dict(num_experts=32, layout="ragged", expert_alignment=2)
     xla = _run(mesh, "xla", x, idx, w, **kw)
     try:
-        assert jax_ep.initialize(mesh, "ep", **SIZES, num_sms=num_sms) == num_sms
+        assert jax_ep.initialize(mesh, "ep", **SIZES, num_sms=num_sms, transport=transport) == num_sms
         cuda = _run(mesh, "cuda", x, idx, w, **kw)
     finally:
-        jax_ep.initialize(mesh, "ep", **SIZES)
+        jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
     _assert_same(cuda, xla, jnp.bfloat16)
 
 
@@ -177,13 +194,15 @@ def test_too_large_for_buffers_is_a_clear_error(mesh):
         jax.block_until_ready(_run(mesh, "cuda", x, idx, w, num_experts=256))
 
 
-def test_a_missing_peer_times_out_and_the_next_call_says_why(mesh):
-    """Only rank 0 enters a transfer: it stops waiting after timeout_s, and its next call fails clearly."""
+def test_a_missing_peer_times_out_and_the_next_call_says_why(mesh, transport):
+    """Only rank 0 enters a transfer: it stops waiting after timeout_s (over NCCL: the watchdog aborts the
+    communicator), and its next call fails clearly."""
     import jax_ep
     from jax_ep import _cuda
 
+    why = "gave up waiting for rank 1 of its EP group" if transport == "auto" else "did not finish within the timeout_s"
     try:
-        jax_ep.initialize(mesh, "ep", **{**SIZES, "timeout_s": 0.5})
+        jax_ep.initialize(mesh, "ep", **{**SIZES, "timeout_s": 0.5}, transport=transport)
         rank0 = mesh.devices.flat[0]
         buffer = jax.device_put(jnp.ones((R, 4, 8), jnp.float32), rank0)
         counts = jax.device_put(jnp.full((R,), 4, jnp.int32), rank0)
@@ -191,10 +210,10 @@ def test_a_missing_peer_times_out_and_the_next_call_says_why(mesh):
         start = time.perf_counter()
         jax.block_until_ready(alone(buffer, counts))
         assert time.perf_counter() - start < 30
-        with pytest.raises(Exception, match="gave up waiting for rank 1 of its EP group"):
+        with pytest.raises(Exception, match=why):
             jax.block_until_ready(alone(buffer, counts))
     finally:
-        jax_ep.initialize(mesh, "ep", **SIZES)
+        jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
     x, idx, w = _inputs("uniform", 64, 128, 4, 16, jnp.float32, seed=5)
     kw = dict(num_experts=16)
     _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)

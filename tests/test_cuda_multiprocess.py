@@ -11,7 +11,7 @@ pytestmark = require_cuda(min_gpus=2)
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
-def _run_pair(mode: str, timeout: float, tmp_path: Path) -> list[tuple[int, str]]:
+def _run_pair(mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """Both workers' exit codes and outputs."""
     from jax_ep.bench.multiprocess import run_workers
 
@@ -20,11 +20,12 @@ def _run_pair(mode: str, timeout: float, tmp_path: Path) -> list[tuple[int, str]
         lambda port, i: [sys.executable, str(WORKER), str(port), str(i), mode],
         2,
         timeout,
-        env={"XLA_FLAGS": ""},
+        env={"XLA_FLAGS": "", **(env or {})},
         logs=logs,
     )
     if codes is None:
-        pytest.fail(f"{mode}: a worker did not finish within {timeout} s:\n" + logs[0].read_text()[-3000:])
+        tails = "".join(f"\n--- worker {i} ---\n{log.read_text()[-3000:]}" for i, log in enumerate(logs))
+        pytest.fail(f"{mode}: a worker did not finish within {timeout} s:{tails}")
     results = [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)]
     for i, (code, out) in enumerate(results):
         lines = [line for line in out.splitlines() if not line.lstrip().startswith("@ 0x")]
@@ -32,10 +33,14 @@ def _run_pair(mode: str, timeout: float, tmp_path: Path) -> list[tuple[int, str]
     return results
 
 
-def test_one_process_per_gpu_matches_xla(tmp_path):
-    for code, out in _run_pair("compare", timeout=300, tmp_path=tmp_path):
+@pytest.mark.parametrize("p2p", ["peer_stores", "nccl"])
+def test_one_process_per_gpu_matches_xla(tmp_path, p2p):
+    """With P2P, rows go by peer stores into IPC-mapped buffers; with NCCL_P2P_DISABLE=1, through NCCL."""
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "nccl" else {}
+    for i, (code, out) in enumerate(_run_pair("compare", timeout=300, tmp_path=tmp_path, env=env)):
         assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
         assert out.count("cuda == xla") == 3
+        assert f"NCCL ranks: {[1 - i] if p2p == 'nccl' else []}" in out
 
 
 def test_a_peer_that_never_arrives_gives_a_clear_error_not_a_hang(tmp_path):

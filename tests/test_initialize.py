@@ -47,3 +47,13 @@ def test_buffer_size_hint_covers_every_transfer():
     assert wide_topk == 2 * 16 * 2 * 8 * 4  # routing metadata: K rows and K weights per token
     many_experts = jax_ep.buffer_size_hint(num_ranks=2, num_tokens=1, hidden=1, topk=1, num_experts=1024)
     assert many_experts == 2 * 1024 * 4  # every rank's per-expert counts
+
+
+def test_transport_must_be_known():
+    with pytest.raises(ValueError, match=r"transport must be one of \('auto', 'nccl'\), got 'nvlink'"):
+        jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, transport="nvlink")
+
+
+def test_no_nccl_ranks_before_initialize():
+    jax_ep.finalize()
+    assert jax_ep.nccl_ranks() == {}

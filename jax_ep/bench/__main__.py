@@ -10,6 +10,10 @@ decode:   T=128, expert layout, --decode-capacity rows per local expert.
 sweep:    T in {128, 512, 2048, 4096, 8192} x H in {2048, 4096, 7168}; also writes OUT.png (GB/s vs tokens).
 sms:      the training shape with the cuda kernels limited to --sms SMs (jax_ep.initialize(num_sms=...)).
 
+--transport nccl sends jax_ep's rows between the GPUs through NCCL instead of peer stores (jax_ep.initialize's
+transport); --p2p-off sets NCCL_P2P_DISABLE=1 before jax starts, so jax_ep and XLA's own collectives both go
+through NCCL without P2P (through host memory on one node), as between GPUs that cannot reach each other.
+
 Each op runs inside a jitted ``fori_loop`` of static trip count (the routing shifts every iteration, so nothing
 is loop-invariant); time per call = (wall(1 + n calls) - wall(1 call)) / n, so Python's dispatch overhead cancels;
 n is --iters, raised once when the n calls take under 20 ms. XLA still launches each iteration's kernels from the
@@ -37,6 +41,8 @@ if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set 
     on_gpu = sys.argv[sys.argv.index("--platform") + 1] == "gpu"
     extra = f"{RAGGED_FLAG}={flag}" + (f" {NCCL_FALLBACK_FLAG}" if flag == "false" and on_gpu else "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {extra}"
+if "--p2p-off" in sys.argv:
+    os.environ["NCCL_P2P_DISABLE"] = "1"
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the ragged children share the GPUs with us
 
@@ -201,10 +207,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--backends", default="cuda,xla")
     parser.add_argument("--ragged-timeout", type=float, default=150, help="seconds for each ragged baseline run")
+    parser.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all baseline")
     parser.add_argument("--platform", default="gpu", help="cpu: a dry run (xla backend, emulated ragged exchange)")
+    parser.add_argument("--transport", default="auto", choices=("auto", "nccl"), help="jax_ep.initialize's")
+    parser.add_argument("--p2p-off", action="store_true", help="NCCL_P2P_DISABLE=1 for jax_ep and XLA")
     parser.add_argument("--ragged-flag", choices=("true", "false"), help=argparse.SUPPRESS)
     parser.add_argument("--ragged-tokens", help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+def transport_facts(transport: str) -> dict:
+    """How rows traveled: jax_ep's transport, each GPU's NCCL ranks, and NCCL's P2P switch."""
+    return {
+        "transport": transport,
+        "nccl_ranks": {str(device): list(ranks) for device, ranks in jax_ep.nccl_ranks().items()},
+        "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", ""),
+    }
 
 
 def ints(text: str) -> list[int]:
@@ -239,7 +257,9 @@ def main() -> None:
         sweep_tokens, sweep_hidden = [], []
     max_tokens = max([*sweep_tokens, args.tokens, 128])
     max_hidden = max([*sweep_hidden, args.hidden])
-    cuda_sizes = dict(num_tokens=max_tokens, hidden=max_hidden, topk=TOPK, num_experts=EXPERTS)
+    cuda_sizes = dict(
+        num_tokens=max_tokens, hidden=max_hidden, topk=TOPK, num_experts=EXPERTS, transport=args.transport
+    )
     all_sms = jax_ep.initialize(mesh, "ep", **cuda_sizes) if "cuda" in backends else None
 
     def peer_copy_us(nbytes: int) -> float:
@@ -261,6 +281,7 @@ def main() -> None:
         "the GPU runs",
         "iters": args.iters,
         "cuda_kernel_sms": all_sms,
+        **transport_facts(args.transport),
     }
     with jax.set_mesh(mesh):
         if "training" in suites or "sms" in suites:
@@ -307,7 +328,7 @@ def main() -> None:
         if points:
             payload["sweep"] = points
 
-    if "training" in suites or points:
+    if ("training" in suites or points) and not args.no_ragged:
         hidden = max(sweep_hidden) if points else args.hidden
         tokens = sorted({*sweep_tokens, *((args.tokens,) if "training" in suites else ())})
         payload["ragged_all_to_all"] = {"hidden": hidden, "one_shot": ragged_in_children(args, tokens, hidden)}

@@ -1,10 +1,10 @@
 """The training shape with one process per GPU (jax.distributed on localhost), next to one process for all GPUs.
 
-    python -m jax_ep.bench.multiprocess OUT.json [--tokens 4096 --hidden 7168]
+    python -m jax_ep.bench.multiprocess OUT.json [--tokens 4096 --hidden 7168] [--transport nccl] [--p2p-off]
 
 Starts one worker per GPU; each calls ``jax.distributed.initialize`` and ``jax_ep.initialize`` over the mesh
 of all processes' GPUs (buffers mapped by CUDA IPC), then times dispatch and combine of both backends as
-``python -m jax_ep.bench`` does. Worker 0 writes the JSON.
+``python -m jax_ep.bench`` does. Worker 0 writes the JSON. --transport and --p2p-off are as there.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def launch(args: argparse.Namespace) -> int:
     }
     command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(args.out), "--tokens", str(args.tokens)]
     command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--processes", str(args.processes)]
-    command += ["--backends", args.backends, "--platform", args.platform]
+    command += ["--backends", args.backends, "--platform", args.platform, "--transport", args.transport]
+    if args.p2p_off:
+        env["NCCL_P2P_DISABLE"] = "1"
     codes = run_workers(lambda port, i: [*command, "--worker", f"{port},{i}"], args.processes, args.timeout, env)
     if codes is None:
         print(f"jax_ep.bench.multiprocess: no result within {args.timeout} s", flush=True)
@@ -88,14 +90,14 @@ def work(args: argparse.Namespace) -> None:
     )
     import jax_ep
     from jax_ep import _cuda
-    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, progress, time_backend, with_rates
+    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, progress, time_backend, transport_facts, with_rates
     from jax_ep.bench.record import provenance
 
     ranks = args.processes
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     sizes = dict(num_tokens=args.tokens, hidden=args.hidden, topk=TOPK, num_experts=EXPERTS)
     backends = args.backends.split(",")
-    sms = jax_ep.initialize(mesh, "ep", **sizes) if "cuda" in backends else None
+    sms = jax_ep.initialize(mesh, "ep", **sizes, transport=args.transport) if "cuda" in backends else None
     *arrays, remote = make_inputs(ranks, args.tokens, args.hidden)  # the same in every process (fixed seed)
     sharding = NamedSharding(mesh, P("ep"))
     x, idx, w = (
@@ -111,6 +113,7 @@ def work(args: argparse.Namespace) -> None:
         "processes": ranks,
         "ranks": ranks,
         "cuda_kernel_sms": sms,
+        **transport_facts(args.transport),
         "tokens": args.tokens,
         "hidden": args.hidden,
         "topk": TOPK,
@@ -142,6 +145,8 @@ def main() -> None:
     parser.add_argument("--backends", default="cuda,xla")
     parser.add_argument("--platform", default="gpu", help="cpu: a dry run of the xla backend")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before the workers are killed")
+    parser.add_argument("--transport", default="auto", choices=("auto", "nccl"), help="jax_ep.initialize's")
+    parser.add_argument("--p2p-off", action="store_true", help="NCCL_P2P_DISABLE=1 in every worker")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
