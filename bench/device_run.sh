@@ -34,10 +34,15 @@ if [ "$stage" = tests ]; then
 fi
 bench_args=("$@")
 [ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training --no-ragged)
-timeout 300 python3 -m jax_ep.bench "$OUT/bench.json" "${bench_args[@]}" 2>&1 | quiet
-for mode in "--transport nccl" "--p2p-off"; do
-  name=$(echo "${mode#--}" | tr ' -' '__')
-  timeout 120 python3 -m jax_ep.bench "$OUT/bench_$name.json" --suite training --no-ragged $mode 2>&1 | quiet
-done
-timeout 120 python3 -m jax_ep.bench.multiprocess "$OUT/multiprocess.json" --timeout 110 2>&1 | quiet
-timeout 120 python3 -m jax_ep.bench.multiprocess "$OUT/multiprocess_p2p_off.json" --timeout 110 --p2p-off 2>&1 | quiet
+# Each result names this script and the exact benchmark command it ran.
+bench() {
+  local limit=$1 module=$2 out=$3
+  shift 3
+  JAX_EP_COMMAND="bash bench/device_run.sh bench: python -m $module OUT/$out $*" \
+    timeout "$limit" python3 -m "$module" "$OUT/$out" "$@" 2>&1 | quiet
+}
+bench 300 jax_ep.bench bench.json "${bench_args[@]}"
+bench 120 jax_ep.bench bench_transport_nccl.json --suite training --no-ragged --transport nccl
+bench 120 jax_ep.bench bench_p2p_off.json --suite training --no-ragged --p2p-off
+bench 120 jax_ep.bench.multiprocess multiprocess.json --timeout 110
+bench 120 jax_ep.bench.multiprocess multiprocess_p2p_off.json --timeout 110 --p2p-off
