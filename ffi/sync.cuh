@@ -105,6 +105,43 @@ __device__ inline void FinishTransfer(const GroupView& group, uint64_t epoch) {
   }
 }
 
+// Rows are split into pieces when there are too few rows to keep every warp of the block budget busy
+// (small T): one warp then moves one piece. A piece is a run of steps, a step being what a warp moves at
+// once (32 lanes x 16 bytes for copies, 32 lanes x a vector of elements for sums).
+constexpr int kMaxPieces = 64;
+
+// Pieces per row for `units` rows of `steps` steps each: 1 when the rows alone fill the budget.
+inline int PiecesPerRow(int64_t units, int64_t steps, const GroupView& group) {
+  const int64_t warps = static_cast<int64_t>(group.max_blocks) * kWarps;
+  int64_t pieces = units < 1 ? 1 : (warps + units - 1) / units;
+  if (pieces > steps) pieces = steps;
+  if (pieces > kMaxPieces) pieces = kMaxPieces;
+  return static_cast<int>(pieces < 1 ? 1 : pieces);
+}
+
+// Steps [first, last) of piece `piece` of `pieces` near-equal pieces of a row of `steps` steps.
+struct Piece {
+  int64_t first;
+  int64_t last;
+};
+__host__ __device__ inline Piece PieceOf(int64_t steps, int pieces, int piece) {
+  return Piece{steps * piece / pieces, steps * (piece + 1) / pieces};
+}
+
+constexpr int64_t kCopyStep = 32 * 16;  // bytes a warp copies at once
+
+// Steps of a row copy; rows whose size is not a multiple of 16 bytes are never split.
+__host__ __device__ inline int64_t CopySteps(int64_t row_bytes) {
+  return row_bytes % 16 == 0 ? (row_bytes + kCopyStep - 1) / kCopyStep : 1;
+}
+
+// Byte range [begin, end) of a piece of a row copy.
+__device__ inline void PieceBytes(int64_t row_bytes, int pieces, int piece, int64_t* begin, int64_t* end) {
+  const Piece p = PieceOf(CopySteps(row_bytes), pieces, piece);
+  *begin = pieces == 1 ? 0 : p.first * kCopyStep;
+  *end = pieces == 1 ? row_bytes : (p.last * kCopyStep < row_bytes ? p.last * kCopyStep : row_bytes);
+}
+
 // One warp copies one row (src == nullptr writes zeros); 16-byte accesses when the row allows them.
 __device__ inline void CopyRow(const char* __restrict__ src, char* __restrict__ dst, int64_t row_bytes, int lane) {
   if (row_bytes % 16 == 0) {

@@ -9,18 +9,19 @@
 namespace jax_ep {
 namespace {
 
-// Writes one token row to every layout row in rows[0:topk) that is >= 0. Each 2 KB piece of the token
-// is read once and stored to all of its rows, so a token routed to k local experts costs one read.
+// Writes `bytes` bytes of a token row to every layout row in rows[0:topk) that is >= 0, at out +
+// row * row_stride. Each 2 KB part of the token is read once and stored to all of its rows, so a token
+// routed to k local experts costs one read.
 __device__ inline void ExpandRow(const char* __restrict__ src, const int32_t* __restrict__ rows, int64_t topk,
-                                 char* __restrict__ out, int64_t row_bytes, int lane) {
-  if (row_bytes % 16 != 0) {
+                                 char* __restrict__ out, int64_t row_stride, int64_t bytes, int lane) {
+  if (bytes % 16 != 0) {
     for (int64_t k = 0; k < topk; ++k) {
-      if (rows[k] >= 0) CopyRow(src, out + rows[k] * row_bytes, row_bytes, lane);
+      if (rows[k] >= 0) CopyRow(src, out + rows[k] * row_stride, bytes, lane);
     }
     return;
   }
   constexpr int kPerLane = 4;
-  const int64_t n = row_bytes / 16;
+  const int64_t n = bytes / 16;
   const uint4* s = reinterpret_cast<const uint4*>(src);
   for (int64_t base = 0; base < n; base += 32 * kPerLane) {
     uint4 piece[kPerLane];
@@ -32,7 +33,7 @@ __device__ inline void ExpandRow(const char* __restrict__ src, const int32_t* __
     for (int64_t k = 0; k < topk; ++k) {
       const int32_t row = rows[k];
       if (row < 0) continue;
-      uint4* d = reinterpret_cast<uint4*>(out + row * row_bytes);
+      uint4* d = reinterpret_cast<uint4*>(out + row * row_stride);
 #pragma unroll
       for (int m = 0; m < kPerLane; ++m) {
         const int64_t i = base + lane + 32 * m;
@@ -42,50 +43,64 @@ __device__ inline void ExpandRow(const char* __restrict__ src, const int32_t* __
   }
 }
 
-// Sends each token once to every peer rank it is routed to (peer items: (token, rank) pairs) while
-// filling the layout rows that need no peer data (local items: this rank's own tokens, then padding rows).
+// Sends each token once to every peer rank it is routed to (peer items: pieces of (token, rank) pairs)
+// while filling the layout rows that need no peer data (local items: pieces of this rank's own tokens,
+// then of padding rows).
 __global__ void __launch_bounds__(kThreads)
     TokensToRowsSendKernel(const char* __restrict__ x, const int32_t* __restrict__ token_dest_pos,
                            const int32_t* __restrict__ self_token, const int32_t* __restrict__ recv_rows,
                            const int32_t* __restrict__ recv_counts, const int32_t* __restrict__ row_slot,
                            char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows,
-                           int64_t topk, GroupView group) {
+                           int64_t topk, int peer_pieces, int local_pieces, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
   const int num_ranks = group.num_ranks;
-  auto send_token = [&](int64_t pair) {
+  auto send_token = [&](int64_t item) {
+    const int64_t pair = item / peer_pieces;
     const int64_t t = pair / num_ranks;
     const int dest = static_cast<int>(pair % num_ranks);
     const int32_t pos = token_dest_pos[pair];
     if (dest == group.rank || pos < 0) return;
-    CopyRow(x + t * row_bytes, SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes, row_bytes, lane);
+    int64_t begin, end;
+    PieceBytes(row_bytes, peer_pieces, static_cast<int>(item % peer_pieces), &begin, &end);
+    char* row = SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes;
+    CopyRow(x + t * row_bytes + begin, row + begin, end - begin, lane);
   };
   auto fill_local = [&](int64_t item) {
-    if (item < num_tokens) {
-      if (item >= recv_counts[group.rank]) return;
-      const int32_t* rows = recv_rows + (group.rank * num_tokens + item) * topk;
-      ExpandRow(x + self_token[item] * row_bytes, rows, topk, out, row_bytes, lane);
-    } else if (row_slot[item - num_tokens] < 0) {
-      CopyRow(nullptr, out + (item - num_tokens) * row_bytes, row_bytes, lane);
+    const int64_t unit = item / local_pieces;
+    int64_t begin, end;
+    PieceBytes(row_bytes, local_pieces, static_cast<int>(item % local_pieces), &begin, &end);
+    if (unit < num_tokens) {
+      if (unit >= recv_counts[group.rank]) return;
+      const int32_t* rows = recv_rows + (group.rank * num_tokens + unit) * topk;
+      ExpandRow(x + self_token[unit] * row_bytes + begin, rows, topk, out + begin, row_bytes, end - begin, lane);
+    } else if (row_slot[unit - num_tokens] < 0) {
+      CopyRow(nullptr, out + (unit - num_tokens) * row_bytes + begin, end - begin, lane);
     }
   };
-  DrainWorkLists(group, num_tokens * num_ranks, num_tokens + num_rows, send_token, fill_local);
+  DrainWorkLists(group, num_tokens * num_ranks * peer_pieces, (num_tokens + num_rows) * local_pieces, send_token,
+                 fill_local);
   SignalDataSent(group, epoch);
 }
 
-// Fills the layout rows of peers' tokens once all peers' stores have landed: one warp per received token.
+// Fills the layout rows of peers' tokens once all peers' stores have landed: one warp per piece of a
+// received token.
 __global__ void __launch_bounds__(kThreads)
     TokensToRowsExpandKernel(const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
                              char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t topk,
-                             GroupView group) {
+                             int pieces, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens; w += warps) {
-    const int source = static_cast<int>(w / num_tokens);
-    if (source == group.rank || w % num_tokens >= recv_counts[source]) continue;
-    ExpandRow(group.own_buffer + w * row_bytes, recv_rows + w * topk, topk, out, row_bytes, lane);
+  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens * pieces; w += warps) {
+    const int64_t unit = w / pieces;
+    const int source = static_cast<int>(unit / num_tokens);
+    if (source == group.rank || unit % num_tokens >= recv_counts[source]) continue;
+    int64_t begin, end;
+    PieceBytes(row_bytes, pieces, static_cast<int>(w % pieces), &begin, &end);
+    const char* token = group.own_buffer + unit * row_bytes + begin;
+    ExpandRow(token, recv_rows + unit * topk, topk, out + begin, row_bytes, end - begin, lane);
   }
   FinishTransfer(group, epoch);
 }
@@ -111,18 +126,32 @@ __device__ inline __half FromFloat<__half>(float v) {
 
 // Elements each lane handles at once: 16 bytes of T when the hidden size allows, else one.
 template <typename T>
-__device__ inline int VectorWidth(int64_t hidden) {
+__host__ __device__ inline int VectorWidth(int64_t hidden) {
   constexpr int kWide = 16 / sizeof(T);
   return hidden % kWide == 0 ? kWide : 1;
 }
 
+// Steps of a sum over `hidden` elements, `width` per lane.
+__host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
+  return (hidden + 32 * width - 1) / (32 * width);
+}
+
+// Elements [begin, end) of a piece of such a sum.
+__device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin,
+                                     int64_t* end) {
+  const Piece p = PieceOf(SumSteps(hidden, width), pieces, piece);
+  *begin = p.first * 32 * width;
+  *end = p.last * 32 * width < hidden ? p.last * 32 * width : hidden;
+}
+
 // Sums each received token's delivered rows in float32 and stores the sum in its source rank's buffer
-// (peer items: tokens from other ranks, over NVLink; local items: this rank's own tokens).
+// (peer items: pieces of tokens from other ranks, over NVLink; local items: pieces of this rank's own tokens).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     RowsToTokensSendKernel(const T* __restrict__ y, const float* __restrict__ weights,
                            const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
-                           int64_t num_tokens, int64_t hidden, int64_t topk, GroupView group) {
+                           int64_t num_tokens, int64_t hidden, int64_t topk, int peer_pieces, int local_pieces,
+                           GroupView group) {
   constexpr int kWide = 16 / sizeof(T);
   // A token's delivered rows and weights, in k order, for the warp that sums them.
   __shared__ int32_t held_rows[kWarps][kMaxFusedTopk];
@@ -131,7 +160,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int warp_in_block = threadIdx.x / 32;
   const int width = VectorWidth<T>(hidden);
-  auto sum_token = [&](int source, int64_t i) {
+  auto sum_token = [&](int source, int64_t i, int pieces, int piece) {
     if (i >= recv_counts[source]) return;
     const int64_t w = source * num_tokens + i;
     int held = 0;
@@ -149,7 +178,9 @@ __global__ void __launch_bounds__(kThreads)
     float* dst = reinterpret_cast<float*>(SendRegion(group, source, num_tokens * hidden * 4)) + i * hidden;
     const int32_t* rows = held_rows[warp_in_block];
     const float* row_weights = held_weights[warp_in_block];
-    for (int64_t e = lane * width; e < hidden; e += 32 * width) {
+    int64_t first, last;
+    PieceElements(hidden, width, pieces, piece, &first, &last);
+    for (int64_t e = first + lane * width; e < last; e += 32 * width) {
       float acc[kWide] = {};
       if (width == kWide) {
         // Loads of kLoadsInFlight rows go out before their sums, in k order.
@@ -182,26 +213,38 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
   };
   auto sum_peer_token = [&](int64_t item) {
-    const int source = static_cast<int>(item / num_tokens);
-    if (source != group.rank) sum_token(source, item % num_tokens);
+    const int64_t unit = item / peer_pieces;
+    const int source = static_cast<int>(unit / num_tokens);
+    if (source == group.rank) return;
+    sum_token(source, unit % num_tokens, peer_pieces, static_cast<int>(item % peer_pieces));
   };
-  auto sum_own_token = [&](int64_t i) { sum_token(group.rank, i); };
-  DrainWorkLists(group, group.num_ranks * num_tokens, num_tokens, sum_peer_token, sum_own_token);
+  auto sum_own_token = [&](int64_t item) {
+    sum_token(group.rank, item / local_pieces, local_pieces, static_cast<int>(item % local_pieces));
+  };
+  DrainWorkLists(group, group.num_ranks * num_tokens * peer_pieces, num_tokens * local_pieces, sum_peer_token,
+                 sum_own_token);
   SignalDataSent(group, epoch);
 }
 
+// Width of the reduce kernel's float32 loads.
+__host__ __device__ inline int ReduceWidth(int64_t hidden) { return hidden % 4 == 0 ? 4 : 1; }
+
+// Adds the ranks' partial sums of each token, one warp per piece of a token.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     RowsToTokensReduceKernel(const int32_t* __restrict__ token_dest_pos, T* __restrict__ out, int64_t num_tokens,
-                             int64_t hidden, GroupView group) {
+                             int64_t hidden, int pieces, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const float* partial = reinterpret_cast<const float*>(group.own_buffer);
   const int lane = threadIdx.x % 32;
-  const int width = hidden % 4 == 0 ? 4 : 1;
+  const int width = ReduceWidth(hidden);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t t = blockIdx.x * kWarps + threadIdx.x / 32; t < num_tokens; t += warps) {
-    for (int64_t e = lane * width; e < hidden; e += 32 * width) {
+  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < num_tokens * pieces; w += warps) {
+    const int64_t t = w / pieces;
+    int64_t first, last;
+    PieceElements(hidden, width, pieces, static_cast<int>(w % pieces), &first, &last);
+    for (int64_t e = first + lane * width; e < last; e += 32 * width) {
       float acc[4] = {};
       for (int dest = 0; dest < group.num_ranks; ++dest) {
         const int32_t pos = token_dest_pos[t * group.num_ranks + dest];
@@ -230,13 +273,18 @@ std::string LaunchRowsToTokensTyped(const T* y, const float* weights, const int3
                                     const NcclSwap& swap, cudaStream_t stream) {
   std::string error = LaunchArrive(nullptr, group, stream);
   if (!error.empty()) return error;
-  RowsToTokensSendKernel<T><<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
-      y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, group);
+  const int64_t steps = SumSteps(hidden, VectorWidth<T>(hidden));
+  const int peer_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
+  const int local_pieces = PiecesPerRow(num_tokens, steps, group);
+  const int64_t items = (group.num_ranks * peer_pieces + local_pieces) * num_tokens;
+  RowsToTokensSendKernel<T><<<BlocksFor(items, group), kThreads, 0, stream>>>(
+      y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, peer_pieces, local_pieces, group);
   if (!(error = LaunchStatus("RowsToTokensSendKernel")).empty()) return error;
   const int64_t region_bytes = num_tokens * hidden * 4;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, region_bytes, nullptr)).empty()) return error;
-  RowsToTokensReduceKernel<T>
-      <<<BlocksFor(num_tokens, group), kThreads, 0, stream>>>(token_dest_pos, out, num_tokens, hidden, group);
+  const int pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
+  RowsToTokensReduceKernel<T><<<BlocksFor(num_tokens * pieces, group), kThreads, 0, stream>>>(
+      token_dest_pos, out, num_tokens, hidden, pieces, group);
   return LaunchStatus("RowsToTokensReduceKernel");
 }
 
@@ -248,14 +296,18 @@ std::string LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
                                const GroupView& group, const NcclSwap& swap, cudaStream_t stream) {
   std::string error = LaunchArrive(nullptr, group, stream);
   if (!error.empty()) return error;
-  const int64_t items = num_tokens * group.num_ranks + num_tokens + num_rows;
+  const int64_t steps = CopySteps(row_bytes);
+  const int peer_pieces = PiecesPerRow(num_tokens * group.num_ranks, steps, group);
+  const int local_pieces = PiecesPerRow(num_tokens + num_rows, steps, group);
+  const int64_t items = num_tokens * group.num_ranks * peer_pieces + (num_tokens + num_rows) * local_pieces;
   TokensToRowsSendKernel<<<BlocksFor(items, group), kThreads, 0, stream>>>(
       x, token_dest_pos, self_token, recv_rows, recv_counts, row_slot, out, num_tokens, row_bytes, num_rows, topk,
-      group);
+      peer_pieces, local_pieces, group);
   if (!(error = LaunchStatus("TokensToRowsSendKernel")).empty()) return error;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, num_tokens * row_bytes, nullptr)).empty()) return error;
-  TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens, group), kThreads, 0, stream>>>(
-      recv_rows, recv_counts, out, num_tokens, row_bytes, topk, group);
+  const int pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
+  TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens * pieces, group), kThreads, 0, stream>>>(
+      recv_rows, recv_counts, out, num_tokens, row_bytes, topk, pieces, group);
   return LaunchStatus("TokensToRowsExpandKernel");
 }
 
