@@ -51,25 +51,25 @@ __global__ void __launch_bounds__(kThreads)
                            const int32_t* __restrict__ self_token, const int32_t* __restrict__ recv_rows,
                            const int32_t* __restrict__ recv_counts, const int32_t* __restrict__ row_slot,
                            char* __restrict__ out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows,
-                           int64_t topk, int peer_pieces, int local_pieces, GroupView group) {
+                           int64_t topk, int pieces, GroupView group) {
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
   const int num_ranks = group.num_ranks;
   auto send_token = [&](int64_t item) {
-    const int64_t pair = item / peer_pieces;
+    const int64_t pair = item / pieces;
     const int64_t t = pair / num_ranks;
     const int dest = static_cast<int>(pair % num_ranks);
     const int32_t pos = token_dest_pos[pair];
     if (dest == group.rank || pos < 0) return;
     int64_t begin, end;
-    PieceBytes(row_bytes, peer_pieces, static_cast<int>(item % peer_pieces), &begin, &end);
+    PieceBytes(row_bytes, pieces, static_cast<int>(item % pieces), &begin, &end);
     char* row = SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes;
     CopyRow(x + t * row_bytes + begin, row + begin, end - begin, lane);
   };
   auto fill_local = [&](int64_t item) {
-    const int64_t unit = item / local_pieces;
+    const int64_t unit = item / pieces;
     int64_t begin, end;
-    PieceBytes(row_bytes, local_pieces, static_cast<int>(item % local_pieces), &begin, &end);
+    PieceBytes(row_bytes, pieces, static_cast<int>(item % pieces), &begin, &end);
     if (unit < num_tokens) {
       if (unit >= recv_counts[group.rank]) return;
       const int32_t* rows = recv_rows + (group.rank * num_tokens + unit) * topk;
@@ -78,8 +78,7 @@ __global__ void __launch_bounds__(kThreads)
       CopyRow(nullptr, out + (unit - num_tokens) * row_bytes + begin, end - begin, lane);
     }
   };
-  DrainWorkLists(group, num_tokens * num_ranks * peer_pieces, (num_tokens + num_rows) * local_pieces, send_token,
-                 fill_local);
+  DrainWorkLists(group, num_tokens * num_ranks * pieces, (num_tokens + num_rows) * pieces, send_token, fill_local);
   SignalDataSent(group, epoch);
 }
 
@@ -150,8 +149,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     RowsToTokensSendKernel(const T* __restrict__ y, const float* __restrict__ weights,
                            const int32_t* __restrict__ recv_rows, const int32_t* __restrict__ recv_counts,
-                           int64_t num_tokens, int64_t hidden, int64_t topk, int peer_pieces, int local_pieces,
-                           GroupView group) {
+                           int64_t num_tokens, int64_t hidden, int64_t topk, int pieces, GroupView group) {
   constexpr int kWide = 16 / sizeof(T);
   // A token's delivered rows and weights, in k order, for the warp that sums them.
   __shared__ int32_t held_rows[kWarps][kMaxFusedTopk];
@@ -160,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int warp_in_block = threadIdx.x / 32;
   const int width = VectorWidth<T>(hidden);
-  auto sum_token = [&](int source, int64_t i, int pieces, int piece) {
+  auto sum_token = [&](int source, int64_t i, int piece) {
     if (i >= recv_counts[source]) return;
     const int64_t w = source * num_tokens + i;
     int held = 0;
@@ -213,16 +211,12 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
   };
   auto sum_peer_token = [&](int64_t item) {
-    const int64_t unit = item / peer_pieces;
+    const int64_t unit = item / pieces;
     const int source = static_cast<int>(unit / num_tokens);
-    if (source == group.rank) return;
-    sum_token(source, unit % num_tokens, peer_pieces, static_cast<int>(item % peer_pieces));
+    if (source != group.rank) sum_token(source, unit % num_tokens, static_cast<int>(item % pieces));
   };
-  auto sum_own_token = [&](int64_t item) {
-    sum_token(group.rank, item / local_pieces, local_pieces, static_cast<int>(item % local_pieces));
-  };
-  DrainWorkLists(group, group.num_ranks * num_tokens * peer_pieces, num_tokens * local_pieces, sum_peer_token,
-                 sum_own_token);
+  auto sum_own_token = [&](int64_t item) { sum_token(group.rank, item / pieces, static_cast<int>(item % pieces)); };
+  DrainWorkLists(group, group.num_ranks * num_tokens * pieces, num_tokens * pieces, sum_peer_token, sum_own_token);
   SignalDataSent(group, epoch);
 }
 
@@ -260,7 +254,12 @@ __global__ void __launch_bounds__(kThreads)
           acc[0] += src[0];
         }
       }
-      for (int j = 0; j < width; ++j) out[t * hidden + e + j] = FromFloat<T>(acc[j]);
+      if (width == 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out[t * hidden + e + j] = FromFloat<T>(acc[j]);
+      } else {
+        out[t * hidden + e] = FromFloat<T>(acc[0]);
+      }
     }
   }
   FinishTransfer(group, epoch);
@@ -273,18 +272,16 @@ std::string LaunchRowsToTokensTyped(const T* y, const float* weights, const int3
                                     const NcclSwap& swap, cudaStream_t stream) {
   std::string error = LaunchArrive(nullptr, group, stream);
   if (!error.empty()) return error;
-  const int64_t steps = SumSteps(hidden, VectorWidth<T>(hidden));
-  const int peer_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
-  const int local_pieces = PiecesPerRow(num_tokens, steps, group);
-  const int64_t items = (group.num_ranks * peer_pieces + local_pieces) * num_tokens;
-  RowsToTokensSendKernel<T><<<BlocksFor(items, group), kThreads, 0, stream>>>(
-      y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, peer_pieces, local_pieces, group);
+  const int64_t units = (group.num_ranks + 1) * num_tokens;
+  const int send_pieces = PiecesPerRow(units, SumSteps(hidden, VectorWidth<T>(hidden)), group);
+  RowsToTokensSendKernel<T><<<BlocksFor(units * send_pieces, group), kThreads, 0, stream>>>(
+      y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, send_pieces, group);
   if (!(error = LaunchStatus("RowsToTokensSendKernel")).empty()) return error;
   const int64_t region_bytes = num_tokens * hidden * 4;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, region_bytes, nullptr)).empty()) return error;
-  const int pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
-  RowsToTokensReduceKernel<T><<<BlocksFor(num_tokens * pieces, group), kThreads, 0, stream>>>(
-      token_dest_pos, out, num_tokens, hidden, pieces, group);
+  const int reduce_pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
+  RowsToTokensReduceKernel<T><<<BlocksFor(num_tokens * reduce_pieces, group), kThreads, 0, stream>>>(
+      token_dest_pos, out, num_tokens, hidden, reduce_pieces, group);
   return LaunchStatus("RowsToTokensReduceKernel");
 }
 
@@ -297,17 +294,16 @@ std::string LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
   std::string error = LaunchArrive(nullptr, group, stream);
   if (!error.empty()) return error;
   const int64_t steps = CopySteps(row_bytes);
-  const int peer_pieces = PiecesPerRow(num_tokens * group.num_ranks, steps, group);
-  const int local_pieces = PiecesPerRow(num_tokens + num_rows, steps, group);
-  const int64_t items = num_tokens * group.num_ranks * peer_pieces + (num_tokens + num_rows) * local_pieces;
-  TokensToRowsSendKernel<<<BlocksFor(items, group), kThreads, 0, stream>>>(
+  const int64_t units = num_tokens * group.num_ranks + num_tokens + num_rows;
+  const int send_pieces = PiecesPerRow(units, steps, group);
+  TokensToRowsSendKernel<<<BlocksFor(units * send_pieces, group), kThreads, 0, stream>>>(
       x, token_dest_pos, self_token, recv_rows, recv_counts, row_slot, out, num_tokens, row_bytes, num_rows, topk,
-      peer_pieces, local_pieces, group);
+      send_pieces, group);
   if (!(error = LaunchStatus("TokensToRowsSendKernel")).empty()) return error;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, num_tokens * row_bytes, nullptr)).empty()) return error;
-  const int pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
-  TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens * pieces, group), kThreads, 0, stream>>>(
-      recv_rows, recv_counts, out, num_tokens, row_bytes, topk, pieces, group);
+  const int expand_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
+  TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens * expand_pieces, group), kThreads, 0, stream>>>(
+      recv_rows, recv_counts, out, num_tokens, row_bytes, topk, expand_pieces, group);
   return LaunchStatus("TokensToRowsExpandKernel");
 }
 
