@@ -292,7 +292,7 @@ def _nccl_unique_id(group: list[Any], g: int, client: Any, timeout_s: float) -> 
         unique_id = _extension.nccl_unique_id()
         client.key_value_set_bytes(_key("nccl_id", g), unique_id)
         return unique_id
-    return _fetch(client, _key("nccl_id", g), timeout_s, group[0], 0)
+    return _fetch(client, _key("nccl_id", g), timeout_s, group[0], 0, what="NCCL unique id")
 
 
 def _barrier(name: str, processes: list[int], timeout_ms: int) -> None:
@@ -304,13 +304,13 @@ def _key(*parts: Any) -> str:
     return "/".join(["jax_ep", str(_generation), *map(str, parts)])
 
 
-def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int) -> bytes:
+def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int, what: str = "buffers") -> bytes:
     try:
         return client.blocking_key_value_get_bytes(key, _setup_timeout_ms(timeout_s))
     except Exception as error:  # the client raises its own error types
         raise RuntimeError(
             f"jax_ep.initialize: rank {rank} ({device}, process {device.process_index}) did not publish its "
-            f"buffers within {_setup_timeout_ms(timeout_s) // 1000} s; every process must call jax_ep.initialize "
+            f"{what} within {_setup_timeout_ms(timeout_s) // 1000} s; every process must call jax_ep.initialize "
             f"with the same mesh ({error})"
         ) from error
 
