@@ -128,6 +128,18 @@ __host__ __device__ inline Piece PieceOf(int64_t steps, int pieces, int piece) {
   return Piece{steps * piece / pieces, steps * (piece + 1) / pieces};
 }
 
+// A work item of a kernel whose rows are split: item = unit * pieces + piece, unit being a row (or token).
+// Items are 32-bit (the launchers check that they fit) and unsplit rows cost no division.
+struct UnitPiece {
+  uint32_t unit;
+  int piece;
+};
+__device__ inline UnitPiece SplitItem(uint32_t item, int pieces) {
+  if (pieces == 1) return UnitPiece{item, 0};
+  const uint32_t unit = item / static_cast<uint32_t>(pieces);
+  return UnitPiece{unit, static_cast<int>(item - unit * static_cast<uint32_t>(pieces))};
+}
+
 constexpr int64_t kCopyStep = 32 * 16;  // bytes a warp copies at once
 
 // Steps of a row copy; rows whose size is not a multiple of 16 bytes are never split.
@@ -137,9 +149,14 @@ __host__ __device__ inline int64_t CopySteps(int64_t row_bytes) {
 
 // Byte range [begin, end) of a piece of a row copy.
 __device__ inline void PieceBytes(int64_t row_bytes, int pieces, int piece, int64_t* begin, int64_t* end) {
+  if (pieces == 1) {
+    *begin = 0;
+    *end = row_bytes;
+    return;
+  }
   const Piece p = PieceOf(CopySteps(row_bytes), pieces, piece);
-  *begin = pieces == 1 ? 0 : p.first * kCopyStep;
-  *end = pieces == 1 ? row_bytes : (p.last * kCopyStep < row_bytes ? p.last * kCopyStep : row_bytes);
+  *begin = p.first * kCopyStep;
+  *end = p.last * kCopyStep < row_bytes ? p.last * kCopyStep : row_bytes;
 }
 
 // One warp copies one row (src == nullptr writes zeros); 16-byte accesses when the row allows them.
@@ -174,21 +191,21 @@ __device__ inline void CopyRow(const char* __restrict__ src, char* __restrict__ 
 constexpr int kItemsPerTake = 4;
 
 template <typename PeerItem, typename LocalItem>
-__device__ inline void DrainWorkLists(const GroupView& group, int64_t num_peer_items, int64_t num_local_items,
+__device__ inline void DrainWorkLists(const GroupView& group, uint32_t num_peer_items, uint32_t num_local_items,
                                       PeerItem peer_item, LocalItem local_item) {
   const int lane = threadIdx.x % 32;
   const bool peer_first = blockIdx.x % 2 == 0;
   for (int pass = 0; pass < 2; ++pass) {
     const bool peer = (pass == 0) == peer_first;
-    const int64_t count = peer ? num_peer_items : num_local_items;
+    const uint32_t count = peer ? num_peer_items : num_local_items;
     uint32_t* taken = &group.signals->items_taken[peer ? 0 : 1];
     while (true) {
-      int64_t first = 0;
+      uint32_t first = 0;
       if (lane == 0) first = atomicAdd(taken, static_cast<uint32_t>(kItemsPerTake));
       first = __shfl_sync(0xffffffffu, first, 0);
       if (first >= count) break;
-      const int64_t end = first + kItemsPerTake < count ? first + kItemsPerTake : count;
-      for (int64_t item = first; item < end; ++item) {
+      const uint32_t end = count - first > kItemsPerTake ? first + kItemsPerTake : count;
+      for (uint32_t item = first; item < end; ++item) {
         if (peer) {
           peer_item(item);
         } else {
@@ -198,6 +215,10 @@ __device__ inline void DrainWorkLists(const GroupView& group, int64_t num_peer_i
     }
   }
 }
+
+// Most work items one kernel may have: item numbers and the work-list counters are 32-bit, and every warp may
+// take kItemsPerTake more after the end.
+constexpr int64_t kMaxItems = (int64_t{1} << 31) - 1;
 
 // Grid size for one warp per unit of work, at most the group's block budget.
 inline unsigned BlocksFor(int64_t units, const GroupView& group) {

@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <string>
+
 #include "kernels.h"
 #include "sync.cuh"
 
@@ -55,21 +57,21 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
   const int num_ranks = group.num_ranks;
-  auto send_token = [&](int64_t item) {
-    const int64_t pair = item / pieces;
-    const int64_t t = pair / num_ranks;
-    const int dest = static_cast<int>(pair % num_ranks);
-    const int32_t pos = token_dest_pos[pair];
+  auto send_token = [&](uint32_t item) {
+    const UnitPiece pair = SplitItem(item, pieces);
+    const uint32_t t = pair.unit / static_cast<uint32_t>(num_ranks);
+    const int dest = static_cast<int>(pair.unit - t * static_cast<uint32_t>(num_ranks));
+    const int32_t pos = token_dest_pos[pair.unit];
     if (dest == group.rank || pos < 0) return;
     int64_t begin, end;
-    PieceBytes(row_bytes, pieces, static_cast<int>(item % pieces), &begin, &end);
+    PieceBytes(row_bytes, pieces, pair.piece, &begin, &end);
     char* row = SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes;
     CopyRow(x + t * row_bytes + begin, row + begin, end - begin, lane);
   };
-  auto fill_local = [&](int64_t item) {
-    const int64_t unit = item / pieces;
+  auto fill_local = [&](uint32_t item) {
+    const auto [unit, piece] = SplitItem(item, pieces);
     int64_t begin, end;
-    PieceBytes(row_bytes, pieces, static_cast<int>(item % pieces), &begin, &end);
+    PieceBytes(row_bytes, pieces, piece, &begin, &end);
     if (unit < num_tokens) {
       if (unit >= recv_counts[group.rank]) return;
       const int32_t* rows = recv_rows + (group.rank * num_tokens + unit) * topk;
@@ -78,7 +80,8 @@ __global__ void __launch_bounds__(kThreads)
       CopyRow(nullptr, out + (unit - num_tokens) * row_bytes + begin, end - begin, lane);
     }
   };
-  DrainWorkLists(group, num_tokens * num_ranks * pieces, (num_tokens + num_rows) * pieces, send_token, fill_local);
+  DrainWorkLists(group, static_cast<uint32_t>(num_tokens * num_ranks * pieces),
+                 static_cast<uint32_t>((num_tokens + num_rows) * pieces), send_token, fill_local);
   SignalDataSent(group, epoch);
 }
 
@@ -91,13 +94,14 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t epoch = CurrentEpoch(group.signals);
   WaitDataReceived(group, epoch);
   const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < group.num_ranks * num_tokens * pieces; w += warps) {
-    const int64_t unit = w / pieces;
-    const int source = static_cast<int>(unit / num_tokens);
-    if (source == group.rank || unit % num_tokens >= recv_counts[source]) continue;
+  const uint32_t warps = gridDim.x * kWarps;
+  const uint32_t items = static_cast<uint32_t>(group.num_ranks * num_tokens * pieces);
+  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < items; w += warps) {
+    const auto [unit, piece] = SplitItem(w, pieces);
+    const int source = static_cast<int>(unit / static_cast<uint32_t>(num_tokens));
+    if (source == group.rank || unit - source * num_tokens >= recv_counts[source]) continue;
     int64_t begin, end;
-    PieceBytes(row_bytes, pieces, static_cast<int>(w % pieces), &begin, &end);
+    PieceBytes(row_bytes, pieces, piece, &begin, &end);
     const char* token = group.own_buffer + unit * row_bytes + begin;
     ExpandRow(token, recv_rows + unit * topk, topk, out + begin, row_bytes, end - begin, lane);
   }
@@ -138,6 +142,11 @@ __host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
 // Elements [begin, end) of a piece of such a sum.
 __device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin,
                                      int64_t* end) {
+  if (pieces == 1) {
+    *begin = 0;
+    *end = hidden;
+    return;
+  }
   const Piece p = PieceOf(SumSteps(hidden, width), pieces, piece);
   *begin = p.first * 32 * width;
   *end = p.last * 32 * width < hidden ? p.last * 32 * width : hidden;
@@ -158,7 +167,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int warp_in_block = threadIdx.x / 32;
   const int width = VectorWidth<T>(hidden);
-  auto sum_token = [&](int source, int64_t i, int piece) {
+  auto sum_token = [&](int source, uint32_t i, int piece) {
     if (i >= recv_counts[source]) return;
     const int64_t w = source * num_tokens + i;
     int held = 0;
@@ -210,13 +219,17 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();
   };
-  auto sum_peer_token = [&](int64_t item) {
-    const int64_t unit = item / pieces;
-    const int source = static_cast<int>(unit / num_tokens);
-    if (source != group.rank) sum_token(source, unit % num_tokens, static_cast<int>(item % pieces));
+  auto sum_peer_token = [&](uint32_t item) {
+    const auto [unit, piece] = SplitItem(item, pieces);
+    const int source = static_cast<int>(unit / static_cast<uint32_t>(num_tokens));
+    if (source != group.rank) sum_token(source, static_cast<uint32_t>(unit - source * num_tokens), piece);
   };
-  auto sum_own_token = [&](int64_t item) { sum_token(group.rank, item / pieces, static_cast<int>(item % pieces)); };
-  DrainWorkLists(group, group.num_ranks * num_tokens * pieces, num_tokens * pieces, sum_peer_token, sum_own_token);
+  auto sum_own_token = [&](uint32_t item) {
+    const auto [unit, piece] = SplitItem(item, pieces);
+    sum_token(group.rank, unit, piece);
+  };
+  DrainWorkLists(group, static_cast<uint32_t>(group.num_ranks * num_tokens * pieces),
+                 static_cast<uint32_t>(num_tokens * pieces), sum_peer_token, sum_own_token);
   SignalDataSent(group, epoch);
 }
 
@@ -233,11 +246,11 @@ __global__ void __launch_bounds__(kThreads)
   const float* partial = reinterpret_cast<const float*>(group.own_buffer);
   const int lane = threadIdx.x % 32;
   const int width = ReduceWidth(hidden);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < num_tokens * pieces; w += warps) {
-    const int64_t t = w / pieces;
+  const uint32_t warps = gridDim.x * kWarps;
+  for (uint32_t w = blockIdx.x * kWarps + threadIdx.x / 32; w < num_tokens * pieces; w += warps) {
+    const auto [t, piece] = SplitItem(w, pieces);
     int64_t first, last;
-    PieceElements(hidden, width, pieces, static_cast<int>(w % pieces), &first, &last);
+    PieceElements(hidden, width, pieces, piece, &first, &last);
     for (int64_t e = first + lane * width; e < last; e += 32 * width) {
       float acc[4] = {};
       for (int dest = 0; dest < group.num_ranks; ++dest) {
@@ -265,21 +278,29 @@ __global__ void __launch_bounds__(kThreads)
   FinishTransfer(group, epoch);
 }
 
+// "" when kernels of these many work items can run (SplitItem).
+std::string CheckItems(int64_t send_items, int64_t receive_items) {
+  const int64_t items = send_items > receive_items ? send_items : receive_items;
+  if (items <= kMaxItems) return "";
+  return "this call needs " + std::to_string(items) + " work items in one kernel, more than the " +
+         std::to_string(kMaxItems) + " the kernels count; use fewer tokens per call";
+}
+
 template <typename T>
 std::string LaunchRowsToTokensTyped(const T* y, const float* weights, const int32_t* recv_rows,
                                     const int32_t* recv_counts, const int32_t* token_dest_pos, T* out,
                                     int64_t num_tokens, int64_t hidden, int64_t topk, const GroupView& group,
                                     const NcclSwap& swap, cudaStream_t stream) {
-  std::string error = LaunchArrive(nullptr, group, stream);
-  if (!error.empty()) return error;
   const int64_t units = (group.num_ranks + 1) * num_tokens;
   const int send_pieces = PiecesPerRow(units, SumSteps(hidden, VectorWidth<T>(hidden)), group);
+  const int reduce_pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
+  std::string error = CheckItems(units * send_pieces, num_tokens * reduce_pieces);
+  if (!error.empty() || !(error = LaunchArrive(nullptr, group, stream)).empty()) return error;
   RowsToTokensSendKernel<T><<<BlocksFor(units * send_pieces, group), kThreads, 0, stream>>>(
       y, weights, recv_rows, recv_counts, num_tokens, hidden, topk, send_pieces, group);
   if (!(error = LaunchStatus("RowsToTokensSendKernel")).empty()) return error;
   const int64_t region_bytes = num_tokens * hidden * 4;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, region_bytes, nullptr)).empty()) return error;
-  const int reduce_pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
   RowsToTokensReduceKernel<T><<<BlocksFor(num_tokens * reduce_pieces, group), kThreads, 0, stream>>>(
       token_dest_pos, out, num_tokens, hidden, reduce_pieces, group);
   return LaunchStatus("RowsToTokensReduceKernel");
@@ -291,17 +312,17 @@ std::string LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
                                const int32_t* recv_rows, const int32_t* recv_counts, const int32_t* row_slot,
                                char* out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
                                const GroupView& group, const NcclSwap& swap, cudaStream_t stream) {
-  std::string error = LaunchArrive(nullptr, group, stream);
-  if (!error.empty()) return error;
   const int64_t steps = CopySteps(row_bytes);
   const int64_t units = num_tokens * group.num_ranks + num_tokens + num_rows;
   const int send_pieces = PiecesPerRow(units, steps, group);
+  const int expand_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
+  std::string error = CheckItems(units * send_pieces, group.num_ranks * num_tokens * expand_pieces);
+  if (!error.empty() || !(error = LaunchArrive(nullptr, group, stream)).empty()) return error;
   TokensToRowsSendKernel<<<BlocksFor(units * send_pieces, group), kThreads, 0, stream>>>(
       x, token_dest_pos, self_token, recv_rows, recv_counts, row_slot, out, num_tokens, row_bytes, num_rows, topk,
       send_pieces, group);
   if (!(error = LaunchStatus("TokensToRowsSendKernel")).empty()) return error;
   if (group.nccl_ranks != 0 && !(error = swap(group.outbox, num_tokens * row_bytes, nullptr)).empty()) return error;
-  const int expand_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
   TokensToRowsExpandKernel<<<BlocksFor(group.num_ranks * num_tokens * expand_pieces, group), kThreads, 0, stream>>>(
       recv_rows, recv_counts, out, num_tokens, row_bytes, topk, expand_pieces, group);
   return LaunchStatus("TokensToRowsExpandKernel");
