@@ -1,12 +1,10 @@
-"""backend="cuda" with one process per GPU (jax.distributed on localhost): peers' buffers by CUDA IPC."""
+"""backend="cuda" with one process per rank (jax.distributed on localhost): peers' buffers by CUDA IPC."""
 
 import sys
 from pathlib import Path
 
 import pytest
 from gpu import require_cuda
-
-pytestmark = require_cuda(min_gpus=2)
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -33,6 +31,7 @@ def _run_pair(mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | N
     return results
 
 
+@require_cuda(min_gpus=2)
 @pytest.mark.parametrize("p2p", ["peer_stores", "nccl"])
 def test_one_process_per_gpu_matches_xla(tmp_path, p2p):
     """With P2P, rows go by peer stores into IPC-mapped buffers; with NCCL_P2P_DISABLE=1, through NCCL."""
@@ -43,6 +42,16 @@ def test_one_process_per_gpu_matches_xla(tmp_path, p2p):
         assert f"NCCL ranks: {[1 - i] if p2p == 'nccl' else []}" in out
 
 
+@require_cuda(min_gpus=1)
+def test_two_processes_sharing_one_gpu_match_the_reference(tmp_path):
+    """Both ranks on GPU 0, each in its own process: every row goes by peer stores into the other's buffer."""
+    for code, out in _run_pair("compare_shared", timeout=300, tmp_path=tmp_path):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert out.count("cuda == reference") == 3
+        assert "NCCL ranks: []" in out
+
+
+@require_cuda(min_gpus=2)
 def test_a_peer_that_never_arrives_gives_a_clear_error_not_a_hang(tmp_path):
     (code, out), _ = _run_pair("peer_hangs", timeout=180, tmp_path=tmp_path)
     assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
