@@ -3,6 +3,7 @@
 # that fit one GPU, or time the builds against each other (bench/compare_builds.py); results go under $OUT.
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh tests
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
 # Each SOURCE is a jax_ep source tree named by its folder, e.g. made by
 #   git archive <commit> jax_ep ffi CMakeLists.txt pyproject.toml README.md | tar -x -C .builds/<commit>
 # Builds go to /tmp/jax_ep_builds/<name> with pip install --target; a later call on the same machine reuses
@@ -60,6 +61,16 @@ if [ "$stage" = tests ]; then
     "$repo/tests/test_cuda_layout.py" "$repo/tests/test_cuda_backend.py" "$repo/tests/test_cuda_multiprocess.py" \
     2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
+  exit 0
+fi
+if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute
+  for tokens in 128 4096; do
+    PYTHONPATH="$builds/current" timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --print-units base --log-file "$OUT/kernels_$tokens.csv" python3 "$repo/bench/profile_kernels.py" run \
+      --tokens "$tokens" > "$OUT/profile_$tokens.log" 2>&1 || tail -20 "$OUT/profile_$tokens.log"
+    PYTHONPATH="$builds/current" python3 "$repo/bench/profile_kernels.py" summarize "$OUT/kernels_$tokens.csv" \
+      "$OUT/kernels_$tokens.json"
+  done
   exit 0
 fi
 pairs=()
