@@ -66,9 +66,9 @@ fi
 if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute
   for tokens in 128 4096; do
     PYTHONPATH="$builds/current" timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      --print-units base --log-file "$OUT/kernels_$tokens.csv" python3 "$repo/bench/profile_kernels.py" run \
-      --tokens "$tokens" > "$OUT/profile_$tokens.log" 2>&1 || tail -20 "$OUT/profile_$tokens.log"
-    PYTHONPATH="$builds/current" python3 "$repo/bench/profile_kernels.py" summarize "$OUT/kernels_$tokens.csv" \
+      --print-units base --log-file "/tmp/kernels_$tokens.csv" python3 "$repo/bench/profile_kernels.py" run \
+      --tokens "$tokens" > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
+    PYTHONPATH="$builds/current" python3 "$repo/bench/profile_kernels.py" summarize "/tmp/kernels_$tokens.csv" \
       "$OUT/kernels_$tokens.json"
   done
   exit 0
