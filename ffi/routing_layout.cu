@@ -1,8 +1,7 @@
 // Routing layout of one rank: deterministic block scans, one block per destination rank,
 // one per expert, and one for the invalid slots, so every output element is written once.
-// Blocks are 1024 threads and each thread holds several consecutive items in registers, so a block
-// covers kThreads * kTokensPerThread tokens (rank blocks) or kThreads * kSlotsPerThread slots (expert
-// blocks) per synchronized scan: one scan at T=4096, K=8.
+// Blocks are 1024 threads and each thread holds several consecutive items in registers: a rank block
+// covers 4096 tokens per scan, an expert block 16384 slots (T=4096, K=8: one and two scans).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -26,6 +25,24 @@ __device__ int32_t ScanChunk(BlockScan::TempStorage& storage, int32_t value, int
 }
 
 __device__ bool IsValid(int32_t expert, int64_t num_experts) { return expert >= 0 && expert < num_experts; }
+
+// Slots [first, first + kSlotsPerThread) of topk_idx, -1 past num_slots; 16-byte loads where aligned.
+__device__ void LoadSlots(const int32_t* __restrict__ topk_idx, int64_t first, int64_t num_slots,
+                          int32_t (&ids)[kSlotsPerThread]) {
+  if (first + kSlotsPerThread <= num_slots && reinterpret_cast<uintptr_t>(topk_idx + first) % 16 == 0) {
+#pragma unroll
+    for (int q = 0; q < kSlotsPerThread / 4; ++q) {
+      const int4 four = reinterpret_cast<const int4*>(topk_idx + first)[q];
+      ids[4 * q] = four.x;
+      ids[4 * q + 1] = four.y;
+      ids[4 * q + 2] = four.z;
+      ids[4 * q + 3] = four.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j) ids[j] = first + j < num_slots ? topk_idx[first + j] : -1;
+  }
+}
 
 __global__ void __launch_bounds__(kThreads)
     RoutingLayoutKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
@@ -64,26 +81,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (threadIdx.x == 0) rank_token_count[rank] = running;
   } else if (blockIdx.x < num_ranks + num_experts) {
-    // Rank of each slot among this rank's slots of one expert, in (t, k) order; a thread takes
-    // kSlotsPerThread consecutive slots.
+    // Rank of each slot among this rank's slots of one expert, in (t, k) order.
     const int32_t expert = static_cast<int32_t>(blockIdx.x - num_ranks);
-    const bool vector_loads = reinterpret_cast<uintptr_t>(topk_idx) % 16 == 0;
     for (int64_t base = 0; base < num_slots; base += kThreads * kSlotsPerThread) {
       const int64_t first = base + threadIdx.x * kSlotsPerThread;
       int32_t ids[kSlotsPerThread];
-      if (vector_loads && first + kSlotsPerThread <= num_slots) {
-#pragma unroll
-        for (int q = 0; q < kSlotsPerThread / 4; ++q) {
-          const int4 four = reinterpret_cast<const int4*>(topk_idx + first)[q];
-          ids[4 * q] = four.x;
-          ids[4 * q + 1] = four.y;
-          ids[4 * q + 2] = four.z;
-          ids[4 * q + 3] = four.w;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < kSlotsPerThread; ++j) ids[j] = first + j < num_slots ? topk_idx[first + j] : -1;
-      }
+      LoadSlots(topk_idx, first, num_slots, ids);
       uint32_t hits = 0;  // bit j: slot first + j is this expert's
 #pragma unroll
       for (int j = 0; j < kSlotsPerThread; ++j) hits |= static_cast<uint32_t>(ids[j] == expert) << j;
@@ -98,11 +101,15 @@ __global__ void __launch_bounds__(kThreads)
     using Reduce = cub::BlockReduce<int32_t, kThreads>;
     __shared__ typename Reduce::TempStorage reduce;
     int32_t invalid = 0;
-    for (int64_t s = threadIdx.x; s < num_slots; s += kThreads) {
-      const int32_t e = topk_idx[s];
-      if (!IsValid(e, num_experts)) {
-        slot_rank[s] = -1;
-        invalid += e != -1;
+    for (int64_t first = threadIdx.x * kSlotsPerThread; first < num_slots; first += kThreads * kSlotsPerThread) {
+      int32_t ids[kSlotsPerThread];
+      LoadSlots(topk_idx, first, num_slots, ids);
+#pragma unroll
+      for (int j = 0; j < kSlotsPerThread; ++j) {
+        if (first + j < num_slots && !IsValid(ids[j], num_experts)) {
+          slot_rank[first + j] = -1;
+          invalid += ids[j] != -1;
+        }
       }
     }
     const int32_t total = Reduce(reduce).Sum(invalid);

@@ -140,6 +140,11 @@ __device__ inline UnitPiece SplitItem(uint32_t item, int pieces) {
   return UnitPiece{unit, static_cast<int>(item - unit * static_cast<uint32_t>(pieces))};
 }
 
+// The `index`-th rank other than `rank`: peer work lists leave this rank's own rows out.
+__device__ inline int OtherRank(uint32_t index, int rank) {
+  return static_cast<int>(index) < rank ? static_cast<int>(index) : static_cast<int>(index) + 1;
+}
+
 constexpr int64_t kCopyStep = 32 * 16;  // bytes a warp copies at once
 
 // Steps of a row copy; rows whose size is not a multiple of 16 bytes are never split.
@@ -185,11 +190,10 @@ __device__ inline void CopyRow(const char* __restrict__ src, char* __restrict__ 
 }
 
 // A send kernel's two work lists: peer items (stores to other GPUs over NVLink) and local items (writes
-// to this GPU's memory). Warps take kItemsPerTake items at a time from counters in the signals. Even
-// blocks start on the peer list and odd blocks on the local one; a warp whose list runs dry helps with
-// the other, so NVLink and local memory stay busy at the same time and no warp idles at the end.
-constexpr int kItemsPerTake = 4;
-
+// to this GPU's memory). Warps take one item at a time from counters in the signals: with few items per
+// warp (combine's tokens, small T), taking several at once left most warps idle while a few did the work.
+// Even blocks start on the peer list and odd blocks on the local one; a warp whose list runs dry helps
+// with the other, so NVLink and local memory stay busy at the same time and no warp idles at the end.
 template <typename PeerItem, typename LocalItem>
 __device__ inline void DrainWorkLists(const GroupView& group, uint32_t num_peer_items, uint32_t num_local_items,
                                       PeerItem peer_item, LocalItem local_item) {
@@ -200,24 +204,21 @@ __device__ inline void DrainWorkLists(const GroupView& group, uint32_t num_peer_
     const uint32_t count = peer ? num_peer_items : num_local_items;
     uint32_t* taken = &group.signals->items_taken[peer ? 0 : 1];
     while (true) {
-      uint32_t first = 0;
-      if (lane == 0) first = atomicAdd(taken, static_cast<uint32_t>(kItemsPerTake));
-      first = __shfl_sync(0xffffffffu, first, 0);
-      if (first >= count) break;
-      const uint32_t end = count - first > kItemsPerTake ? first + kItemsPerTake : count;
-      for (uint32_t item = first; item < end; ++item) {
-        if (peer) {
-          peer_item(item);
-        } else {
-          local_item(item);
-        }
+      uint32_t item = 0;
+      if (lane == 0) item = atomicAdd(taken, 1u);
+      item = __shfl_sync(0xffffffffu, item, 0);
+      if (item >= count) break;
+      if (peer) {
+        peer_item(item);
+      } else {
+        local_item(item);
       }
     }
   }
 }
 
-// Most work items one kernel may have: item numbers and the work-list counters are 32-bit, and every warp may
-// take kItemsPerTake more after the end.
+// Most work items one kernel may have: item numbers and the work-list counters are 32-bit, and every warp
+// takes one more after the end.
 constexpr int64_t kMaxItems = (int64_t{1} << 31) - 1;
 
 // Grid size for one warp per unit of work, at most the group's block budget.

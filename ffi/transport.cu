@@ -57,12 +57,13 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t epoch = CurrentEpoch(group.signals);
   const int lane = threadIdx.x % 32;
   const int num_ranks = group.num_ranks;
-  auto send_token = [&](uint32_t item) {
+  const uint32_t num_peers = static_cast<uint32_t>(num_ranks - 1);
+  auto send_token = [&](uint32_t item) {  // item: piece of a (token, peer rank) pair
     const UnitPiece pair = SplitItem(item, pieces);
-    const uint32_t t = pair.unit / static_cast<uint32_t>(num_ranks);
-    const int dest = static_cast<int>(pair.unit - t * static_cast<uint32_t>(num_ranks));
-    const int32_t pos = token_dest_pos[pair.unit];
-    if (dest == group.rank || pos < 0) return;
+    const uint32_t t = num_peers == 1 ? pair.unit : pair.unit / num_peers;
+    const int dest = OtherRank(pair.unit - t * num_peers, group.rank);
+    const int32_t pos = token_dest_pos[t * num_ranks + dest];
+    if (pos < 0) return;
     int64_t begin, end;
     PieceBytes(row_bytes, pieces, pair.piece, &begin, &end);
     char* row = SendRegion(group, dest, num_tokens * row_bytes) + pos * row_bytes;
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
       CopyRow(nullptr, out + (unit - num_tokens) * row_bytes + begin, end - begin, lane);
     }
   };
-  DrainWorkLists(group, static_cast<uint32_t>(num_tokens * num_ranks * pieces),
+  DrainWorkLists(group, static_cast<uint32_t>(num_tokens * num_peers * pieces),
                  static_cast<uint32_t>((num_tokens + num_rows) * pieces), send_token, fill_local);
   SignalDataSent(group, epoch);
 }
@@ -219,16 +220,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();
   };
-  auto sum_peer_token = [&](uint32_t item) {
+  auto sum_peer_token = [&](uint32_t item) {  // item: piece of the i-th token of a peer rank
     const auto [unit, piece] = SplitItem(item, pieces);
-    const int source = static_cast<int>(unit / static_cast<uint32_t>(num_tokens));
-    if (source != group.rank) sum_token(source, static_cast<uint32_t>(unit - source * num_tokens), piece);
+    const uint32_t peer = unit / static_cast<uint32_t>(num_tokens);
+    sum_token(OtherRank(peer, group.rank), static_cast<uint32_t>(unit - peer * num_tokens), piece);
   };
   auto sum_own_token = [&](uint32_t item) {
     const auto [unit, piece] = SplitItem(item, pieces);
     sum_token(group.rank, unit, piece);
   };
-  DrainWorkLists(group, static_cast<uint32_t>(group.num_ranks * num_tokens * pieces),
+  DrainWorkLists(group, static_cast<uint32_t>((group.num_ranks - 1) * num_tokens * pieces),
                  static_cast<uint32_t>(num_tokens * pieces), sum_peer_token, sum_own_token);
   SignalDataSent(group, epoch);
 }
@@ -291,7 +292,7 @@ std::string LaunchRowsToTokensTyped(const T* y, const float* weights, const int3
                                     const int32_t* recv_counts, const int32_t* token_dest_pos, T* out,
                                     int64_t num_tokens, int64_t hidden, int64_t topk, const GroupView& group,
                                     const NcclSwap& swap, cudaStream_t stream) {
-  const int64_t units = (group.num_ranks + 1) * num_tokens;
+  const int64_t units = group.num_ranks * num_tokens;  // peers' tokens, then this rank's own
   const int send_pieces = PiecesPerRow(units, SumSteps(hidden, VectorWidth<T>(hidden)), group);
   const int reduce_pieces = PiecesPerRow(num_tokens, SumSteps(hidden, ReduceWidth(hidden)), group);
   std::string error = CheckItems(units * send_pieces, num_tokens * reduce_pieces);
@@ -313,7 +314,7 @@ std::string LaunchTokensToRows(const char* x, const int32_t* token_dest_pos, con
                                char* out, int64_t num_tokens, int64_t row_bytes, int64_t num_rows, int64_t topk,
                                const GroupView& group, const NcclSwap& swap, cudaStream_t stream) {
   const int64_t steps = CopySteps(row_bytes);
-  const int64_t units = num_tokens * group.num_ranks + num_tokens + num_rows;
+  const int64_t units = num_tokens * (group.num_ranks - 1) + num_tokens + num_rows;  // peer sends, own, rows
   const int send_pieces = PiecesPerRow(units, steps, group);
   const int expand_pieces = PiecesPerRow(group.num_ranks * num_tokens, steps, group);
   std::string error = CheckItems(units * send_pieces, group.num_ranks * num_tokens * expand_pieces);
