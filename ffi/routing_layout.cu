@@ -1,8 +1,7 @@
 // Routing layout of one rank: deterministic block scans, one block per destination rank,
 // one per expert, and one for the invalid slots, so every output element is written once.
-// Each thread holds several consecutive items in registers: a block of 512 threads covers 2048 tokens
-// (rank blocks) or 8192 slots (expert and invalid blocks) per scan. Blocks are small enough that three fit
-// an SM (40 registers a thread), so E=256 experts run in one wave on an H200.
+// Blocks are 1024 threads and each thread holds several consecutive items in registers: a rank block
+// covers 4096 tokens per scan, an expert block 16384 slots (T=4096, K=8: one and two scans).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -11,7 +10,7 @@
 namespace jax_ep {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 1024;
 constexpr int kTokensPerThread = 4;
 constexpr int kSlotsPerThread = 16;
 
