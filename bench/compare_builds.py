@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--xla", default="", help="the build whose processes also time backend xla")
+    parser.add_argument("--xla", default="", help="the build whose first process also times backend xla")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = [int(v) for v in args.tokens.split(",")]
