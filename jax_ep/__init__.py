@@ -1,12 +1,13 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
 from ._api import combine, default_capacity, dispatch
-from ._cuda import available as cuda_available
-from ._cuda import buffer_size_hint, finalize, initialize, nccl_ranks
+from ._group import Group, buffer_size_hint, finalize, initialize, nccl_ranks
+from ._group import available as cuda_available
 from ._types import Dispatched, Handle
 
 __all__ = [
     "Dispatched",
+    "Group",
     "Handle",
     "buffer_size_hint",
     "combine",
@@ -17,4 +18,4 @@ __all__ = [
     "initialize",
     "nccl_ranks",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

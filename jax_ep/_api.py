@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _backends, _ops
+from . import backends
 from ._types import LAYOUTS, Config, Dispatched, Handle
-from ._validate import check_array, check_choice, check_positive_int
+from ._validate import check_array, check_choice, check_float_dtype, check_positive_int
 
 
 def default_capacity(
@@ -97,6 +98,7 @@ def dispatch(
             layout=layout,
             expert_alignment=expert_alignment,
         )
+    resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
     config = Config(
         axis_name=axis_name,
         num_ranks=num_ranks,
@@ -106,17 +108,25 @@ def dispatch(
         layout=layout,
         capacity=capacity,
         expert_alignment=expert_alignment,
-        backend=_backends.resolve(backend, axis_name, num_ranks),
+        backend=resolved,
+        group=group,
     )
     with jax.named_scope("jax_ep.dispatch"):
         return _dispatch(config, x, topk_idx, topk_weights)
 
 
-def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None) -> jax.Array:
+def combine(
+    y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None
+) -> jax.Array:
     """Bring expert outputs back to their tokens and sum them.
 
     ``out[t] = sum over delivered slots (t, k) of w * y[row of (t, k)]`` with
-    ``w = weights[row]``, or 1 when ``weights`` is None. Sums are in float32.
+    ``w = weights[row]``, or 1 when ``weights`` is None. Each rank sums the
+    slots of a token it holds in float32 in row order and rounds that partial
+    sum to ``partial_dtype`` (None: ``y``'s dtype); the source rank adds the
+    ranks' partial sums in float32 in ascending rank order and rounds once to
+    ``y``'s dtype. ``partial_dtype=jnp.float32`` gives the float32 sum over all
+    delivered slots, rounded once.
 
     Args:
       y: expert outputs shaped like ``Dispatched.x`` (``[C, H]`` or
@@ -124,6 +134,8 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None) -
       handle: ``Dispatched.handle`` of the dispatch that made the layout.
       weights: optional, shaped like ``Dispatched.weights`` (``[C]`` or
         ``[L, C]``), floating; usually ``Dispatched.weights``.
+      partial_dtype: None or a floating dtype: how each rank's partial sum
+        travels.
 
     Returns:
       ``[T, H]`` in the dtype of ``y``.
@@ -134,13 +146,14 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None) -
     check_array("y", y, ndim=len(config.weights_shape) + 1, kind="floating", leading=config.weights_shape)
     if weights is not None:
         check_array("weights", weights, shape=config.weights_shape, kind="floating")
+    partial = y.dtype if partial_dtype is None else check_float_dtype("partial_dtype", partial_dtype)
     with jax.named_scope("jax_ep.combine"):
-        return _combine(y, handle, weights)
+        return _combine(partial, y, handle, weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    return _ops.dispatch(config, x, topk_idx, topk_weights)
+    return backends.module(config.backend).dispatch(config, x, topk_idx, topk_weights)
 
 
 def _dispatch_fwd(config, x, topk_idx, topk_weights):
@@ -150,35 +163,35 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 
 def _dispatch_bwd(config, handle, cotangent):
     rows_ct = cotangent.x.reshape(config.num_rows, -1)
-    dx = _ops.to_tokens(handle, rows_ct, None)
-    dtopk_weights = _ops.slot_values_to_tokens(handle, cotangent.weights.reshape(-1))
+    backend = backends.module(config.backend)
+    dx, dtopk_weights = backend.combine(handle, rows_ct, None, rows_ct.dtype, cotangent.weights.reshape(-1))
     return dx, None, dtopk_weights
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@jax.custom_vjp
-def _combine(y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
     rows = y.reshape(handle.config.num_rows, -1)
     flat_weights = None if weights is None else weights.reshape(-1)
-    return _ops.to_tokens(handle, rows, flat_weights)
+    return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype)[0]
 
 
-def _combine_fwd(y, handle, weights):
-    return _combine(y, handle, weights), (y, handle, weights)
+def _combine_fwd(partial_dtype, y, handle, weights):
+    return _combine(partial_dtype, y, handle, weights), (y, handle, weights)
 
 
-def _combine_bwd(residuals, cotangent):
+def _combine_bwd(partial_dtype, residuals, cotangent):
     y, handle, weights = residuals
-    rows_ct = _ops.to_experts(handle, cotangent).astype(jnp.float32)
+    rows_ct = backends.module(handle.config.backend).redispatch(handle, cotangent).astype(jnp.float32)
     rows_ct = rows_ct.reshape(y.shape)
+    # Rows that hold no slot get exactly 0, even where y, weights or the ragged tail hold NaN or inf.
+    held = (handle.row_slot >= 0).reshape(y.shape[:-1])[..., None]
     if weights is None:
-        return rows_ct.astype(y.dtype), None, None
-    # Padding rows get exactly 0, even where y or weights hold NaN or inf there.
-    held = (handle.row_slot >= 0).reshape(weights.shape)
-    dy = jnp.where(held[..., None], rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
-    dweights = jnp.sum(rows_ct * jnp.where(held[..., None], y.astype(jnp.float32), 0.0), axis=-1)
+        return jnp.where(held, rows_ct, 0.0).astype(y.dtype), None, None
+    dy = jnp.where(held, rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
+    dweights = jnp.sum(jnp.where(held, rows_ct * y.astype(jnp.float32), 0.0), axis=-1)
     return dy, None, dweights.astype(weights.dtype)
 
 

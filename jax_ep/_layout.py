@@ -1,9 +1,8 @@
 """Routing layout: where every slot goes, computed from expert ids and counts.
 
-Two steps, shared by every backend so that all of them place rows identically:
+Two steps; the cuda backend's kernels compute the same rows, checked bit for bit against these:
 
-1. :func:`local_layout` looks only at this rank's ``topk_idx`` (the CUDA
-   backend has a kernel for it, checked bit for bit against this one).
+1. :func:`local_layout` looks only at this rank's ``topk_idx``.
 2. :func:`assign_rows` turns the per-expert slot counts of all ranks into the
    layout row of each of this rank's slots on its destination rank, and this
    rank's own ``group_sizes`` and ``num_dropped``.
@@ -33,7 +32,7 @@ class RowAssignment(NamedTuple):
     """Rows of this rank's slots on their destinations, and its own receive sizes."""
 
     slot_row: jax.Array  # [T, K] layout row on the destination rank, -1 if not delivered
-    slot_dest: jax.Array  # [T, K] destination rank, -1 if not delivered
+    slot_dest: jax.Array  # [T, K] destination rank of a valid slot (kept or dropped), -1 if unused or invalid
     group_sizes: jax.Array  # [L]
     num_dropped: jax.Array  # []
 
@@ -103,6 +102,6 @@ def assign_rows(
         mine_total = jax.lax.dynamic_slice_in_dim(total, rank * local_experts, local_experts)
         group_sizes = jnp.minimum(mine_total, capacity)
         kept_here = group_sizes
-    slot_dest = jnp.where(kept, expert // local_experts, -1)
+    slot_dest = jnp.where(valid, expert // local_experts, -1)
     num_dropped = jnp.sum(mine_total) - jnp.sum(kept_here)
     return RowAssignment(slot_row, slot_dest, group_sizes.astype(jnp.int32), num_dropped.astype(jnp.int32))

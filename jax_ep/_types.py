@@ -27,6 +27,7 @@ class Config:
     capacity: int  # C
     expert_alignment: int
     backend: str  # resolved: "xla" or "cuda"
+    group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
 
     @property
     def local_experts(self) -> int:
@@ -62,13 +63,13 @@ class Handle:
       ``d`` (tokens sent to ``d`` in token order), -1 when ``t`` sends nothing
       there.
     * ``send_counts [R]``: tokens sent to each rank.
-    * ``slot_dest [T, K]``: rank that received slot ``(t, k)``, -1 when the slot
-      is unused, invalid or dropped.
+    * ``slot_dest [T, K]``: rank that slot ``(t, k)`` was sent to, -1 when the
+      slot is unused or invalid (a dropped slot keeps its rank).
     * ``recv_rows [R, T, K]``: for the ``i``-th token received from rank ``r``,
       the layout row of its slot ``k``, -1 when that slot was not delivered here.
     * ``recv_counts [R]``: tokens received from each rank.
     * ``row_slot [N]``: for each layout row, the received slot it holds as
-      ``(r * T + i) * K + k``, -1 for padding.
+      ``(r * T + i) * K + k``, -1 for rows that hold no slot.
     """
 
     token_dest_pos: jax.Array
@@ -89,8 +90,11 @@ class Dispatched:
     L = local experts, H = hidden size):
 
     * ``x``: ``[C, H]`` / ``[L, C, H]``, dtype of the dispatched ``x``.
+      Ragged: rows past ``sum(group_sizes)`` are unspecified (never read by
+      ``combine`` or any backward pass); alignment padding inside the segments
+      is zero. Expert: rows past ``group_sizes[j]`` of ``x[j]`` are zero.
     * ``weights``: ``[C]`` / ``[L, C]`` float32, the slot's routing weight,
-      0 on padding.
+      0 on every row that holds no slot.
     * ``group_sizes``: ``[L]`` int32. Ragged: rows of each expert's segment
       including alignment padding (feed to ``jax.lax.ragged_dot``). Expert:
       rows kept per local expert.

@@ -50,3 +50,14 @@ def check_array(
         raise TypeError(f"jax_ep: {name} must have dtype {jnp.dtype(dtype).name}, got {value.dtype}")
     if kind == "floating" and not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(f"jax_ep: {name} must have a floating dtype, got {value.dtype}")
+
+
+def check_float_dtype(name: str, value: Any) -> jnp.dtype:
+    """``value`` names a floating dtype; returns it as a NumPy dtype."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise TypeError(f"jax_ep: {name} must be a floating dtype, got {value!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"jax_ep: {name} must be a floating dtype, got {dtype}")
+    return dtype

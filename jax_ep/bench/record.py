@@ -26,7 +26,7 @@ def provenance(command: str) -> dict:
     """Who and what produced a result: the exact command, git commit, devices and library versions."""
     import jax
 
-    from jax_ep import _cuda
+    from jax_ep import _group as _cuda
 
     info = {
         "command": os.environ.get("JAX_EP_COMMAND") or command,

@@ -1,0 +1,397 @@
+"""EP groups of backend "cuda": :func:`initialize` creates the library-owned, peer-mapped GPU memory of a mesh
+axis, :func:`finalize` releases it. Nothing is allocated or synchronized while a computation runs.
+
+A :class:`Group` serves one mesh axis (found by its name at trace time); several groups, for different axes
+or meshes, can live in one process. Everything per call (sequence numbers, flags, the abort word, the
+timeout) lives in the group's device memory, so the calls can be captured in XLA command buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import socket
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._validate import check_positive_int
+
+try:
+    from . import _jax_ep_cuda as _extension
+except ImportError as _error:  # built without CUDA, or its libraries are missing
+    _extension = None
+    _import_error: ImportError | None = _error
+else:
+    _import_error = None
+
+TRANSPORTS = ("auto", "nccl")
+MAX_TOPK = 64  # the kernels keep a token's rows in shared memory
+_SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
+_ids = itertools.count(1)  # group ids; also name each initialize call's keys in jax.distributed's key-value store
+
+
+def available() -> bool:
+    """Whether the CUDA extension was built and loads here (``jax_ep.cuda_available``)."""
+    return _extension is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False ("" when it is True)."""
+    return "" if _import_error is None else f"the jax_ep CUDA extension did not load ({_import_error})"
+
+
+def extension() -> Any:
+    """The loaded extension, with its FFI targets registered with jax."""
+    _register()
+    return _extension
+
+
+def nccl_version() -> int:
+    """Version code of the libnccl.so.2 the extension resolved (e.g. 22809 for 2.28.9)."""
+    return extension().nccl_version()
+
+
+def cuda_versions() -> tuple[int, int]:
+    """CUDA runtime and driver version codes the extension sees (e.g. 13000 for 13.0)."""
+    return tuple(extension().cuda_versions())
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _extension is None:
+        raise RuntimeError(f"jax_ep: backend 'cuda' is not available: {unavailable_reason()}")
+    if not _registered:
+        for name, registration in _extension.type_registrations().items():
+            jax.ffi.register_ffi_type(name, registration, platform="CUDA")
+        for name, target in _extension.registrations().items():
+            jax.ffi.register_ffi_target(name, target, platform="CUDA")
+        _registered = True
+
+
+def _row_bytes(hidden: int, dtype: Any) -> int:
+    return hidden * jnp.dtype(dtype).itemsize
+
+
+def buffer_size_hint(
+    *, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int, dtype: Any = jnp.float32
+) -> int:
+    """Bytes of staging memory per GPU that dispatch and combine of these shapes need.
+
+    ``dtype`` is the widest dtype that travels: ``x``, the expert outputs and
+    their cotangents, and combine's partial sums (float32 with
+    ``partial_dtype=jnp.float32``). Two halves, so a call never overwrites what
+    a peer may still read of the call before:
+    ``2 * R * (16 * ceil((L + 1) / 4) + T * K * 12 + T * ceil16(H * itemsize))``.
+    """
+    local_experts = max(num_experts // num_ranks, 1)
+    stride = -(-_row_bytes(hidden, dtype) // 16) * 16
+    region = 16 * -(-(local_experts + 1) // 4) + -(-num_tokens * topk * 12 // 16) * 16 + num_tokens * stride
+    return 2 * num_ranks * region
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """The GPU memory of one EP axis, made by :func:`initialize`; pass it nowhere, find it by ``axis_name``.
+
+    * ``axis_name``, ``num_ranks``: the mesh axis and its size ``R``.
+    * ``num_sms``: the SMs each kernel may occupy (the fewest over this process's GPUs).
+    * ``sizes``: the largest per-rank ``num_tokens``, ``hidden``, ``topk``, ``num_experts`` and ``dtype``.
+    """
+
+    id: int
+    axis_name: Hashable
+    num_ranks: int
+    num_sms: int
+    sizes: dict[str, Any]
+    processes: list[int]
+    setup_timeout_ms: int
+    nccl: dict[Any, tuple[int, ...]]
+    released: bool = False
+
+    def nccl_ranks(self) -> dict[Any, tuple[int, ...]]:
+        """For each of this process's GPUs in the group: the ranks it reaches through NCCL, not by peer stores."""
+        return dict(self.nccl)
+
+    def check(self) -> None:
+        """Raise the error a kernel of this group recorded on any of this process's GPUs (RuntimeError), if any.
+
+        Calls captured in an XLA command buffer cannot fail on their own: a failed call leaves NaN in its
+        float outputs and -1 in its counts, and the error is raised here or by the next call XLA launches.
+        """
+        if self.released:
+            raise RuntimeError(f"jax_ep: the group of axis {self.axis_name!r} was finalized")
+        message = extension().group_error(self.id)
+        if message:
+            raise RuntimeError(message)
+
+    def finalize(self) -> None:
+        """Release the group's memory (collective across processes); compiled computations must not run again."""
+        if self.released:
+            return
+        self.released = True
+        if _groups.get(self.axis_name) is self:
+            del _groups[self.axis_name]
+        try:
+            if len(self.processes) > 1:
+                _extension.close_peer_mappings(self.id)
+                _barrier(self.id, "released", self.processes, self.setup_timeout_ms)
+        finally:
+            _extension.release(self.id)
+
+
+_groups: dict[Hashable, Group] = {}
+
+
+def group_for(axis_name: Hashable) -> Group | None:
+    """The live group of a mesh axis, or None."""
+    return _groups.get(axis_name)
+
+
+def initialize(
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable,
+    *,
+    num_tokens: int,
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    dtype: Any = jnp.float32,
+    timeout_s: float = 60.0,
+    num_sms: int | None = None,
+    transport: str = "auto",
+) -> Group:
+    """Create the GPU memory of backend "cuda" for every EP group along ``axis_name`` of ``mesh``.
+
+    Each EP group is the GPUs along ``axis_name`` (the other mesh axes index
+    the groups). GPUs of this process reach each other by peer access; with a
+    mesh over several processes (after ``jax.distributed.initialize``), every
+    process calls ``initialize`` with the same arguments and the processes
+    swap CUDA IPC handles of their buffers through ``jax.distributed``'s
+    key-value store.
+
+    How rows travel between two GPUs of a group: with ``transport="auto"``,
+    by stores over NVLink/P2P into each other's buffers when both are on one
+    host and can reach each other by P2P, and through NCCL otherwise (other
+    hosts, no P2P, or ``NCCL_P2P_DISABLE=1`` in the environment).
+    ``transport="nccl"`` sends every pair of distinct GPUs through NCCL.
+
+    Sizes are per rank, as seen inside ``shard_map``: ``num_tokens`` T,
+    ``hidden`` H, ``topk`` K (at most 64), ``num_experts`` E, and the widest
+    ``dtype`` that travels (see :func:`buffer_size_hint`). A later call with
+    larger shapes fails with a clear error. A rank that waits longer than
+    ``timeout_s`` for a peer gives up and tells every peer: that call's
+    outputs hold NaN, and every later call of the group fails with an error
+    naming the rank that never came, until ``initialize`` is called again.
+    ``num_sms`` caps the SMs each kernel occupies (one block of 1024 threads
+    per SM), leaving the rest of the GPU to compute that overlaps; ``None``
+    lets the kernels use every SM.
+
+    Calling it again for the same ``axis_name`` replaces that group.
+    Returns the :class:`Group`; :func:`finalize` (or ``Group.finalize``)
+    releases it.
+    """
+    sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
+    sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
+    if sizes["topk"] > MAX_TOPK:
+        raise ValueError(f"jax_ep.initialize: topk must be at most {MAX_TOPK} for backend 'cuda', got {topk}")
+    if not timeout_s > 0:
+        raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
+    if num_sms is not None:
+        num_sms = check_positive_int("num_sms", num_sms)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got {transport!r}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"jax_ep.initialize: axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    platforms = sorted({device.platform for device in mesh.devices.flat})
+    if platforms != ["gpu"]:
+        raise ValueError(f"jax_ep.initialize: backend 'cuda' needs a mesh of GPUs, got devices of {platforms}")
+    processes = sorted({device.process_index for device in mesh.devices.flat})
+    if len(processes) > 1 and _key_value_client() is None:
+        raise ValueError(
+            f"jax_ep.initialize: the mesh spans {len(processes)} processes; call jax.distributed.initialize() "
+            "first, so that they can swap their GPUs' buffer handles"
+        )
+    axis = mesh.axis_names.index(axis_name)
+    num_ranks = mesh.devices.shape[axis]
+    if sizes["num_experts"] % num_ranks:
+        raise ValueError(
+            f"jax_ep.initialize: num_experts must be a multiple of the size of axis {axis_name!r}; "
+            f"expected a multiple of {num_ranks}, got {num_experts}"
+        )
+    _register()
+    if axis_name in _groups:
+        _groups[axis_name].finalize()
+    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, num_ranks).tolist()
+    staging = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
+    scratch = _extension.routing_scratch_ints(num_ranks, sizes["num_tokens"], sizes["topk"], sizes["num_experts"])
+    group_id = next(_ids)
+    setup_ms = _setup_ms(timeout_s)
+    _extension.begin(group_id)
+    try:
+        sms, nccl = _connect(group_id, groups, staging, scratch, num_sms or 0, processes, timeout_s, transport)
+    except BaseException:
+        _extension.close_peer_mappings(group_id)
+        _extension.release(group_id)
+        raise
+    group = Group(group_id, axis_name, num_ranks, sms, {**sizes, "dtype": jnp.dtype(dtype)}, processes, setup_ms, nccl)
+    _groups[axis_name] = group
+    return group
+
+
+def finalize(axis_name: Hashable | None = None) -> None:
+    """Release the group of ``axis_name``, or every group when None; collective across processes."""
+    for group in [g for name, g in _groups.items() if axis_name is None or name == axis_name]:
+        group.finalize()
+
+
+def nccl_ranks(axis_name: Hashable | None = None) -> dict[Any, tuple[int, ...]]:
+    """For each of this process's GPUs in a group (of ``axis_name``, or any): the ranks it reaches through NCCL."""
+    out = {}
+    for name, group in _groups.items():
+        if axis_name is None or name == axis_name:
+            out.update(group.nccl_ranks())
+    return out
+
+
+def _connect(
+    group_id: int,
+    groups: list[list[Any]],
+    staging: int,
+    scratch: int,
+    num_sms: int,
+    processes: list[int],
+    timeout_s: float,
+    transport: str,
+) -> tuple[int, dict[Any, tuple[int, ...]]]:
+    """Allocates this process's GPUs of every EP group, swaps IPC handles and NCCL ids with the other processes,
+    connects. Returns the SMs the kernels may use and each local GPU's NCCL ranks."""
+    me = jax.process_index()
+    local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
+    for _, rank, device in local:
+        _extension.allocate(
+            group_id, device.local_hardware_id, rank, len(groups[0]), staging, scratch, num_sms, timeout_s
+        )
+    client = _key_value_client() if len(processes) > 1 else None
+    by_nccl = _nccl_pairs(group_id, groups, local, transport, client, timeout_s)
+    handles = {}
+    if client is not None:
+        for g, rank, device in local:
+            client.key_value_set_bytes(
+                _key(group_id, "handles", g, rank), _extension.export_handles(group_id, device.local_hardware_id)
+            )
+        for g in sorted({g for g, _, _ in local}):
+            for rank, device in enumerate(groups[g]):
+                peer_stores = any(not by_nccl[g][mine][rank] for h, mine, _ in local if h == g)
+                if device.process_index != me and peer_stores:
+                    handles[g, rank] = _fetch(client, _key(group_id, "handles", g, rank), timeout_s, device, rank)
+    for g, rank, device in local:
+        ordinals = [d.local_hardware_id if d.process_index == me else -1 for d in groups[g]]
+        peer_handles = [handles.get((g, r), b"") for r in range(len(groups[g]))]
+        _extension.connect(group_id, device.local_hardware_id, ordinals, peer_handles, by_nccl[g][rank])
+    nccl_groups = sorted({g for g, _, _ in local if any(any(row) for row in by_nccl[g])})
+    if nccl_groups:
+        ids = {g: _nccl_unique_id(group_id, groups[g], g, client, timeout_s) for g in nccl_groups}
+        members = [(g, d) for g, _, d in local if g in ids]
+        _extension.connect_nccl(
+            group_id, [d.local_hardware_id for _, d in members], [ids[g] for g, _ in members], int(timeout_s * 1000)
+        )
+    sms = _extension.commit(group_id)
+    if client is not None:
+        _barrier(group_id, "connected", processes, _setup_ms(timeout_s))
+    reached = {d: tuple(r for r, nccl in enumerate(by_nccl[g][rank]) if nccl) for g, rank, d in local}
+    return sms, reached
+
+
+def _nccl_pairs(
+    group_id: int,
+    groups: list[list[Any]], local: list[tuple[int, int, Any]], transport: str, client: Any, timeout_s: float
+) -> list[list[list[bool]]]:
+    """``[g][a][b]``: whether ranks a and b of group g swap rows through NCCL; the same in every process."""
+    force = transport == "nccl" or os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
+    no_p2p = [
+        [g, a, b]
+        for g, a, d in local
+        for h, b, e in local
+        if h == g and a != b and not _extension.can_access_peer(d.local_hardware_id, e.local_hardware_id)
+    ]
+    facts = {jax.process_index(): {"host": socket.gethostname(), "force": force, "no_p2p": no_p2p}}
+    if client is not None:
+        client.key_value_set(_key(group_id, "facts", jax.process_index()), json.dumps(facts[jax.process_index()]))
+        for process in {d.process_index for group in groups for d in group} - set(facts):
+            key = _key(group_id, "facts", process)
+            try:
+                facts[process] = json.loads(client.blocking_key_value_get(key, _setup_ms(timeout_s)))
+            except Exception as error:  # the client raises its own error types
+                raise RuntimeError(
+                    f"jax_ep.initialize: process {process} did not call jax_ep.initialize within "
+                    f"{_setup_ms(timeout_s) // 1000} s ({error})"
+                ) from error
+    if len({fact["force"] for fact in facts.values()}) > 1:
+        raise ValueError(
+            "jax_ep.initialize: the processes disagree on sending every pair through NCCL: pass the same "
+            "transport everywhere and set NCCL_P2P_DISABLE alike in every process"
+        )
+    missing = {tuple(pair) for fact in facts.values() for pair in fact["no_p2p"]}
+    host = {process: fact["host"] for process, fact in facts.items()}
+    return [
+        [
+            [
+                a != b and (force or host[d.process_index] != host[e.process_index] or (g, a, b) in missing)
+                for b, e in enumerate(group)
+            ]
+            for a, d in enumerate(group)
+        ]
+        for g, group in enumerate(groups)
+    ]
+
+
+def _nccl_unique_id(group_id: int, group: list[Any], g: int, client: Any, timeout_s: float) -> bytes:
+    """The NCCL id of group g: made by the process of its rank 0 and passed through the key-value store."""
+    if client is None:
+        return _extension.nccl_unique_id()
+    if group[0].process_index == jax.process_index():
+        unique_id = _extension.nccl_unique_id()
+        client.key_value_set_bytes(_key(group_id, "nccl_id", g), unique_id)
+        return unique_id
+    return _fetch(client, _key(group_id, "nccl_id", g), timeout_s, group[0], 0, what="NCCL unique id")
+
+
+def _barrier(group_id: int, name: str, processes: list[int], timeout_ms: int) -> None:
+    _key_value_client().wait_at_barrier(_key(group_id, name), timeout_ms, process_ids=processes)
+
+
+def _key(group_id: int, *parts: Any) -> str:
+    """A key of one initialize call in jax.distributed's key-value store."""
+    return "/".join(["jax_ep", str(group_id), *map(str, parts)])
+
+
+def _setup_ms(timeout_s: float) -> int:
+    """How long initialize/finalize wait for the other processes: they may start many seconds apart."""
+    return int(max(timeout_s, _SETUP_TIMEOUT_S) * 1000)
+
+
+def _fetch(client: Any, key: str, timeout_s: float, device: Any, rank: int, what: str = "buffers") -> bytes:
+    try:
+        return client.blocking_key_value_get_bytes(key, _setup_ms(timeout_s))
+    except Exception as error:  # the client raises its own error types
+        raise RuntimeError(
+            f"jax_ep.initialize: rank {rank} ({device}, process {device.process_index}) did not publish its "
+            f"{what} within {_setup_ms(timeout_s) // 1000} s; every process must call jax_ep.initialize "
+            f"with the same mesh ({error})"
+        ) from error
+
+
+def _key_value_client() -> Any:
+    """jax.distributed's key-value store client, or None before jax.distributed.initialize (no public API yet)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -1,0 +1,164 @@
+"""The "cuda" backend: one ``jax.ffi`` call per op into the project's CUDA kernels.
+
+* ``jax_ep_dispatch``: routing layout (kernel 1), then one kernel that stores each token once into every
+  peer rank it is routed to and expands what it receives into the layout (kernel 2).
+* ``jax_ep_dispatch_rows``: kernel 2 alone, along a given handle (the backward pass of combine).
+* ``jax_ep_combine``: one kernel: partial sums to their source ranks, then each source adds them in rank order
+  (also the backward pass of dispatch, with the weights' cotangent going back to the slots).
+
+Every call takes this rank's ``lax.axis_index``, which the kernels check against the group's rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _group
+from .._types import Config, Dispatched, Handle
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def on_gpus() -> bool:
+    """Whether jax's default devices are GPUs."""
+    return jax.default_backend() == "gpu"
+
+
+def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int) -> tuple[int | None, str]:
+    """The id of the group that can serve this dispatch, or None and why not."""
+    if not _group.available():
+        return None, _group.unavailable_reason()
+    group = _group.group_for(axis_name)
+    if group is None:
+        return None, f"call jax_ep.initialize(mesh, {axis_name!r}, ...) first to create the group's GPU memory"
+    if group.num_ranks != num_ranks:
+        return None, (
+            f"jax_ep.initialize made the group of axis {axis_name!r} for {group.num_ranks} ranks, "
+            f"but this dispatch runs over {num_ranks}"
+        )
+    if topk > _group.MAX_TOPK:
+        return None, f"topk must be at most {_group.MAX_TOPK} for backend 'cuda', got {topk}"
+    return group.id, ""
+
+
+def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
+    """Result type that varies over the same mesh axes as ``like`` (inside ``shard_map``)."""
+    return jax.typeof(like).update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
+
+
+def _check_dtype(name: str, value: jax.Array) -> None:
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"jax_ep: backend 'cuda' moves float32, bfloat16 or float16 {name}, got {value.dtype}; use backend='xla'"
+        )
+
+
+def _call(name: str, results: Any, *args: jax.Array, config: Config, **attrs: Any) -> Any:
+    _group.extension()
+    rank = jax.lax.axis_index(config.axis_name).astype(jnp.int32)
+    call = jax.ffi.ffi_call(name, results)
+    return call(*args, rank, group=config.group, **attrs)
+
+
+def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`."""
+    _check_dtype("x", x)
+    num_ranks, num_tokens, topk, rows = config.num_ranks, config.num_tokens, config.topk, config.num_rows
+    i32 = jnp.int32
+    results = (
+        _result(x, (rows, x.shape[1]), x.dtype),  # x
+        _result(x, (rows,), jnp.float32),  # weights
+        _result(x, (config.local_experts,), i32),  # group_sizes
+        _result(x, (), i32),  # num_dropped
+        _result(x, (), i32),  # num_invalid
+        _result(x, (num_tokens, num_ranks), i32),  # token_dest_pos
+        _result(x, (num_ranks,), i32),  # send_counts
+        _result(x, (num_tokens, topk), i32),  # slot_dest
+        _result(x, (num_ranks, num_tokens, topk), i32),  # recv_rows
+        _result(x, (num_ranks,), i32),  # recv_counts
+        _result(x, (rows,), i32),  # row_slot
+    )
+    out = _call(
+        "jax_ep_dispatch",
+        results,
+        x,
+        topk_idx,
+        topk_weights,
+        config=config,
+        num_experts=config.num_experts,
+        expert_layout=config.layout == "expert",
+        capacity=config.capacity,
+        alignment=config.expert_alignment,
+    )
+    x_rows, weights, group_sizes, num_dropped, num_invalid, *handle = out
+    return Dispatched(
+        x=x_rows.reshape(config.layout_shape(x.shape[1])),
+        weights=weights.reshape(config.weights_shape),
+        group_sizes=group_sizes,
+        num_dropped=num_dropped,
+        num_invalid=num_invalid,
+        handle=Handle(*handle, config),
+    )
+
+
+def redispatch(handle: Handle, x: jax.Array) -> jax.Array:
+    """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]`` (one FFI call)."""
+    _check_dtype("cotangents", x)
+    config = handle.config
+    result = _result(x, (config.num_rows, x.shape[1]), x.dtype)
+    h = handle
+    return _call(
+        "jax_ep_dispatch_rows",
+        result,
+        x,
+        h.token_dest_pos,
+        h.recv_rows,
+        h.recv_counts,
+        h.row_slot,
+        config=config,
+        expert_layout=config.layout == "expert",
+        capacity=config.capacity,
+        alignment=config.expert_alignment,
+        local_experts=config.local_experts,
+    )
+
+
+def combine(
+    handle: Handle,
+    rows: jax.Array,
+    weights: jax.Array | None,
+    partial_dtype: jnp.dtype,
+    row_values: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
+    _check_dtype("y", rows)
+    if jnp.dtype(partial_dtype) not in (jnp.dtype(jnp.float32), rows.dtype):
+        raise TypeError(
+            f"jax_ep: backend 'cuda' sends partial sums as float32 or as y's dtype {rows.dtype}, got {partial_dtype}"
+        )
+    config = handle.config
+    num_tokens, topk = config.num_tokens, config.topk
+    empty = jnp.zeros((0,), jnp.float32)
+    h = handle
+    results = (
+        _result(rows, (num_tokens, rows.shape[1]), rows.dtype),
+        _result(rows, (num_tokens, topk) if row_values is not None else (0,), jnp.float32),
+    )
+    out, values = _call(
+        "jax_ep_combine",
+        results,
+        rows,
+        empty if weights is None else weights.astype(jnp.float32),
+        empty if row_values is None else row_values.astype(jnp.float32),
+        h.recv_rows,
+        h.recv_counts,
+        h.token_dest_pos,
+        h.slot_dest,
+        config=config,
+        partial_f32=jnp.dtype(partial_dtype) == jnp.dtype(jnp.float32) and rows.dtype != jnp.float32,
+    )
+    return out, (values if row_values is not None else None)

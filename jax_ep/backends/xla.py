@@ -1,0 +1,140 @@
+"""The "xla" backend: dispatch and combine in pure JAX over ``lax.all_to_all``, on any platform.
+
+Each token travels once per destination rank, in a send buffer of ``[R, T, H]``
+(the tokens for rank ``d`` in token order in row ``d``; ``counts[d]`` of them).
+The receiver expands the tokens into the layout with a gather; combine reduces
+a token's slots on the expert side and sends one partial row per (token, rank)
+back. Every function runs on one rank inside ``shard_map``; layout rows are
+flattened to ``[N, ...]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._layout import assign_rows, local_layout
+from .._types import Config, Dispatched, Handle
+
+
+def _exchange(buffer: jax.Array, config: Config) -> jax.Array:
+    """Row ``d`` of ``buffer [R, ...]`` goes to rank ``d``; row ``r`` of the result came from rank ``r``."""
+    return jax.lax.all_to_all(buffer, config.axis_name, 0, 0, tiled=True)
+
+
+def _take(values: jax.Array, index: jax.Array, fill: int = 0) -> jax.Array:
+    """``values[index]`` along axis 0, ``fill`` where ``index < 0``."""
+    return jnp.take(values, jnp.where(index < 0, values.shape[0], index), axis=0, mode="fill", fill_value=fill)
+
+
+def _send_tokens(token_dest_pos: jax.Array, config: Config) -> jax.Array:
+    """Token ids of each rank's send list ``[R, T]``, -1 past its end."""
+    num_tokens, num_ranks = config.num_tokens, config.num_ranks
+    ranks = jnp.broadcast_to(jnp.arange(num_ranks, dtype=jnp.int32), (num_tokens, num_ranks))
+    tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, num_ranks))
+    rows = jnp.where(token_dest_pos < 0, num_tokens, token_dest_pos)
+    return jnp.full((num_ranks, num_tokens), -1, jnp.int32).at[ranks, rows].set(tokens, mode="drop")
+
+
+def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    """Forward dispatch on one rank; see :func:`jax_ep.dispatch`."""
+    num_ranks, num_tokens, topk = config.num_ranks, config.num_tokens, config.topk
+    local = local_layout(topk_idx, config.num_experts, num_ranks)
+    all_counts = _exchange(jnp.broadcast_to(local.expert_count, (num_ranks, config.num_experts)), config)
+    rank = jax.lax.axis_index(config.axis_name)
+    rows = assign_rows(topk_idx, local.slot_rank, all_counts, rank, config)
+
+    send_counts = local.rank_token_count
+    send_token = _send_tokens(local.token_dest_pos, config)
+    ranks = jnp.arange(num_ranks, dtype=jnp.int32)[:, None, None]
+    for_rank = (_take(rows.slot_dest, send_token, fill=-1) == ranks) & (_take(rows.slot_row, send_token, fill=-1) >= 0)
+    send_rows = jnp.where(for_rank, _take(rows.slot_row, send_token), -1)
+    send_weights = jnp.where(for_rank, _take(topk_weights, send_token), 0.0)
+    send_meta = jnp.concatenate([send_rows, jax.lax.bitcast_convert_type(send_weights, jnp.int32)], axis=-1)
+    recv_meta = _exchange(send_meta, config)
+    recv_counts = _exchange(send_counts, config)
+    sent = (jnp.arange(num_tokens)[None, :] < recv_counts[:, None])[..., None]
+    recv_rows = jnp.where(sent, recv_meta[..., :topk], -1)
+    recv_weights = jnp.where(sent, jax.lax.bitcast_convert_type(recv_meta[..., topk:], jnp.float32), 0.0).reshape(-1)
+
+    slots = jnp.arange(num_ranks * num_tokens * topk, dtype=jnp.int32)
+    flat_rows = recv_rows.reshape(-1)
+    row_slot = (
+        jnp.full(config.num_rows, -1, jnp.int32)
+        .at[jnp.where(flat_rows < 0, config.num_rows, flat_rows)]
+        .set(slots, mode="drop")
+    )
+    hidden = x.shape[-1]
+    handle = Handle(local.token_dest_pos, send_counts, rows.slot_dest, recv_rows, recv_counts, row_slot, config)
+    return Dispatched(
+        x=redispatch(handle, x).reshape(config.layout_shape(hidden)),
+        weights=_take(recv_weights, row_slot).reshape(config.weights_shape),
+        group_sizes=rows.group_sizes,
+        num_dropped=rows.num_dropped,
+        num_invalid=local.num_invalid,
+        handle=handle,
+    )
+
+
+def redispatch(handle: Handle, x: jax.Array) -> jax.Array:
+    """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]``, zero where no slot is held.
+
+    Each token goes once to every rank it is routed to; there it fills the rows of its slots.
+    """
+    config = handle.config
+    send_token = _send_tokens(handle.token_dest_pos, config)
+    recv_x = _exchange(_take(x, send_token), config)
+    recv_x = recv_x.reshape(config.num_ranks * config.num_tokens, -1)
+    row_slot = handle.row_slot
+    return _take(recv_x, jnp.where(row_slot < 0, -1, row_slot // config.topk))
+
+
+def _rows_in_order(recv_rows: jax.Array) -> jax.Array:
+    """Each token's delivered rows ``[..., K]`` in ascending row order, -1 (no slot) last."""
+    big = jnp.iinfo(jnp.int32).max
+    ordered = jnp.sort(jnp.where(recv_rows < 0, big, recv_rows), axis=-1)
+    return jnp.where(ordered == big, -1, ordered)
+
+
+def combine(
+    handle: Handle,
+    rows: jax.Array,
+    weights: jax.Array | None,
+    partial_dtype: jnp.dtype,
+    row_values: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Weighted sum of layout rows ``rows [N, H]`` back onto tokens: ``[T, H]`` in ``rows.dtype``.
+
+    Each rank sums a token's delivered rows in float32 in ascending row order,
+    rounds that partial sum to ``partial_dtype`` and sends it once; the source
+    adds the ranks' partial sums in float32 in ascending rank order and rounds
+    once to ``rows.dtype``. With ``row_values [N]``, also returns each slot's
+    row value ``[T, K]`` float32 (0 where the slot was not delivered).
+    """
+    config = handle.config
+    num_ranks, num_tokens = config.num_ranks, config.num_tokens
+    held = handle.recv_rows.reshape(num_ranks * num_tokens, config.topk)
+    ordered = _rows_in_order(held)
+    partial = jnp.zeros((ordered.shape[0], rows.shape[-1]), jnp.float32)
+    for k in range(config.topk):
+        term = _take(rows, ordered[:, k]).astype(jnp.float32)
+        if weights is not None:
+            term = _take(weights, ordered[:, k]).astype(jnp.float32)[:, None] * term
+        partial = partial + term
+    partial = partial.astype(partial_dtype).reshape(num_ranks, num_tokens, -1)
+    back = _exchange(partial, config)  # [R, T, H]: row i from rank d is the token with token_dest_pos[:, d] == i
+    pos = handle.token_dest_pos
+    total = jnp.zeros((num_tokens, rows.shape[-1]), jnp.float32)
+    for dest in range(num_ranks):
+        from_dest = back[dest][jnp.maximum(pos[:, dest], 0)].astype(jnp.float32)
+        total = total + jnp.where((pos[:, dest] >= 0)[:, None], from_dest, 0.0)
+    out = total.astype(rows.dtype)
+    if row_values is None:
+        return out, None
+    per_slot = _take(row_values.astype(jnp.float32), held.reshape(-1)).reshape(handle.recv_rows.shape)
+    back_values = _exchange(per_slot, config)  # [R, T, K]
+    dest = handle.slot_dest
+    dest_pos = jnp.take_along_axis(pos, jnp.maximum(dest, 0), axis=1)
+    topk = jnp.arange(config.topk)[None, :]
+    values = jnp.where(dest >= 0, back_values[jnp.maximum(dest, 0), jnp.maximum(dest_pos, 0), topk], 0.0)
+    return out, values
