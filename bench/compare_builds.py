@@ -4,10 +4,10 @@
 
 SITE is a folder holding one build's jax_ep package with its extension (``pip install --target SITE SOURCE``).
 Every build times the same shapes on the same GPUs (the first two: the EP group) with its own version's
-``jax_ep.bench`` method (``time_backend``: dispatch, combine, the routing part and the layout step). On one GPU
-the layout step is also timed as one rank of a group of 2 (``local_layout_2_ranks_us``), which is exactly what
-each rank runs on 2 GPUs. Rounds run the builds in turn (A B C A B C), so drift between rounds shows as the
-spread of one build's numbers; ``--xla NAME`` also times backend "xla" in NAME's first process.
+benchmark method (``time_backend`` of ``jax_ep.bench.timing``, or of ``jax_ep.bench.__main__`` in builds made
+before that module existed): dispatch and combine. Rounds run the builds in turn (A B C A B C), so drift between
+rounds shows as the spread of one build's numbers; ``--xla NAME`` also times backend "xla" in NAME's first
+process. ``--platform cpu`` is a dry run: backend "xla" only, on up to two CPU devices.
 A build installed with --target finds libnccl.so.2 only through LD_LIBRARY_PATH (its rpath points into SITE);
 bench/device_run_one_gpu.sh sets it.
 """
@@ -24,37 +24,33 @@ from pathlib import Path
 MARK = "compare_builds result: "
 
 
-def child(site: str, tokens: list[int], hidden: int, backends: list[str], iters: int) -> dict:
+def child(site: str, tokens: list[int], hidden: int, backends: list[str], iters: int, platform: str) -> dict:
     """One build's timings, in this process (its jax_ep must come from ``site``)."""
     import jax
-    import jax.numpy as jnp
 
     import jax_ep
 
     if not Path(jax_ep.__file__).resolve().is_relative_to(Path(site).resolve()):
         raise SystemExit(f"jax_ep was imported from {jax_ep.__file__}, not from {site}")
-    from jax_ep import _cuda
-    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, seconds_per_call, time_backend
+    try:
+        from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, time_backend
+    except ImportError:  # a build from before jax_ep.bench.timing
+        from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, time_backend
 
-    devices = jax.devices("gpu")[:2]
+    devices = jax.devices(platform)[:2]
     ranks = len(devices)
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-    jax_ep.initialize(mesh, "ep", num_tokens=max(tokens), hidden=hidden, topk=TOPK, num_experts=EXPERTS)
+    if "cuda" in backends:
+        jax_ep.initialize(mesh, "ep", num_tokens=max(tokens), hidden=hidden, topk=TOPK, num_experts=EXPERTS)
     out = {"ranks": ranks}
     with jax.set_mesh(mesh):
         for t in tokens:
             x, idx, w, _ = make_inputs(ranks, t, hidden)
-            point = {backend: time_backend(backend, x, idx, w, detail=True, iters=iters) for backend in backends}
-            if ranks == 1:
-
-                def layout_step(i, idx, t=t):
-                    layout = _cuda.local_layout((idx + i) % EXPERTS, EXPERTS, 2)
-                    return layout.slot_rank[i % t, 0].astype(jnp.float32)
-
-                point["cuda"]["local_layout_2_ranks_us"] = seconds_per_call(layout_step, (idx,), iters) * 1e6
+            point = {backend: time_backend(backend, x, idx, w, iters=iters) for backend in backends}
             out[str(t)] = point
             print(f"  T={t}: {point}", file=sys.stderr, flush=True)
-    jax_ep.finalize()
+    if "cuda" in backends:
+        jax_ep.finalize()
     return out
 
 
@@ -67,12 +63,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--xla", default="", help="the build whose first process also times backend xla")
+    parser.add_argument("--platform", default="gpu", choices=("gpu", "cpu"), help="cpu: a dry run of backend xla")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = [int(v) for v in args.tokens.split(",")]
     if args.child:
         backends = ["cuda", "xla"] if args.xla == "yes" else ["cuda"]
-        print(MARK + json.dumps(child(args.child, tokens, args.hidden, backends, args.iters)), flush=True)
+        if args.platform == "cpu":
+            backends = ["xla"]
+        result = child(args.child, tokens, args.hidden, backends, args.iters, args.platform)
+        print(MARK + json.dumps(result), flush=True)
         return
 
     builds = dict(b.split("=", 1) for b in args.builds)
@@ -83,6 +83,7 @@ def main() -> None:
             xla = "yes" if name == args.xla and round_index == 0 else "no"
             command = [sys.executable, __file__, "unused", "unused", "--child", site, "--tokens", args.tokens]
             command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--xla", xla]
+            command += ["--platform", args.platform]
             print(f"round {round_index}, build {name}", flush=True)
             done = subprocess.run(command, env={**env, "PYTHONPATH": site}, capture_output=True, text=True)
             sys.stderr.write(done.stderr[-3000:])
@@ -99,15 +100,17 @@ def main() -> None:
         "builds": builds,
         "hidden": args.hidden,
         "tokens": tokens,
-        "timing": "python -m jax_ep.bench's time_backend of each build; one entry per round",
+        "platform": args.platform,
+        "timing": "time_backend (jax_ep.bench.timing) of each build; one entry per round",
         "runs": runs,
     }
     write(args.out, payload)
+    shown = "cuda" if args.platform == "gpu" else "xla"
     for t in tokens:
         for name, rounds in runs.items():
             cells = []
-            for key in ("dispatch_us", "combine_us", "local_layout_us", "local_layout_2_ranks_us"):
-                values = [r[str(t)]["cuda"][key] for r in rounds if key in r[str(t)]["cuda"]]
+            for key in ("dispatch_us", "combine_us"):
+                values = [r[str(t)][shown][key] for r in rounds if key in r[str(t)][shown]]
                 if values:
                     cells.append(f"{key} " + "/".join(f"{v:.1f}" for v in values))
             print(f"T={t:5} {name:>10}: " + "  ".join(cells))

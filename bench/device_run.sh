@@ -27,8 +27,12 @@ if [ "$stage" = tests ]; then
     echo "NCCL smoke test failed"
     exit 1
   fi
-  timeout 400 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_layout.py tests/test_cuda_backend.py \
-    tests/test_cuda_multiprocess.py tests/test_cuda_trace.py 2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
+  files=()  # those of this tree: later versions dropped some
+  for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py test_cuda_trace.py; do
+    [ -f "tests/$name" ] && files+=("tests/$name")
+  done
+  timeout 400 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" "${files[@]}" 2>&1 | grep -v "^\s*@ 0x" \
+    > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log"
   exit 0
 fi

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # On a GPU machine with one GPU: build this tree and other source trees side by side, then run the GPU tests
 # that fit one GPU, or time the builds against each other (bench/compare_builds.py); results go under $OUT.
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh all       # tests, ncu profile, targets: one call, <= 9.5 min
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh tests
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
+# "all" builds this tree only, then runs, each step under a time limit that keeps the whole within 570 s of the
+# start: the GPU tests (bench/gpu_tests.py, <= 240 s), ncu's kernel times of one dispatch + combine at T=128 and
+# T=4096 (bench/profile_kernels.py, <= 60 s each) and bench/one_gpu_targets.py (<= 150 s), then prints one table.
+# Its files in $OUT: gpu_tests.json, kernels_128.json, kernels_4096.json, targets.json and all.log.
 # Each SOURCE is a jax_ep source tree named by its folder, e.g. made by
 #   git archive <commit> jax_ep ffi CMakeLists.txt pyproject.toml README.md | tar -x -C .builds/<commit>
 # Builds go to /tmp/jax_ep_builds/<name> with pip install --target; a later call on the same machine reuses
@@ -26,6 +31,10 @@ while [ $# -gt 0 ] && [ "$1" != -- ]; do
   shift
 done
 [ $# -gt 0 ] && shift
+if [ "$stage" = all ] && [ ${#sources[@]} -gt 0 ]; then
+  echo "stage all builds this tree only; ignoring ${sources[*]}"
+  sources=()
+fi
 
 build() {  # name source
   local name=$1 source=$2 hash
@@ -56,21 +65,93 @@ done
 echo "built: ${names[*]}"
 
 cd /tmp || exit 1  # not the repository root, whose jax_ep/ has no extension
+gpu_test_files=()  # those of this tree (test_cuda_layout.py is gone in later versions)
+for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py; do
+  [ -f "$repo/tests/$name" ] && gpu_test_files+=("$repo/tests/$name")
+done
 if [ "$stage" = tests ]; then
   PYTHONPATH="$builds/current" timeout 450 python3 "$repo/bench/gpu_tests.py" "$OUT/gpu_tests.json" \
-    "$repo/tests/test_cuda_layout.py" "$repo/tests/test_cuda_backend.py" "$repo/tests/test_cuda_multiprocess.py" \
-    2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
+    "${gpu_test_files[@]}" 2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
   exit 0
 fi
+ncu_run() {  # tokens seconds: every kernel of 3 calls of one dispatch + combine under Nsight Compute, into a CSV
+  rm -f "/tmp/kernels_$1.csv"
+  PYTHONPATH="$builds/current" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    --print-units base --log-file "/tmp/kernels_$1.csv" python3 "$repo/bench/profile_kernels.py" run --tokens "$1"
+}
+ncu_summary() {  # tokens: the last call's kernels by op, into $OUT/kernels_<tokens>.json
+  PYTHONPATH="$builds/current" timeout 60 python3 "$repo/bench/profile_kernels.py" summarize \
+    "/tmp/kernels_$1.csv" "$OUT/kernels_$1.json" --tokens "$1"
+}
 if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute
   for tokens in 128 4096; do
-    PYTHONPATH="$builds/current" timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      --print-units base --log-file "/tmp/kernels_$tokens.csv" python3 "$repo/bench/profile_kernels.py" run \
-      --tokens "$tokens" > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
-    PYTHONPATH="$builds/current" python3 "$repo/bench/profile_kernels.py" summarize "/tmp/kernels_$tokens.csv" \
-      "$OUT/kernels_$tokens.json"
+    ncu_run "$tokens" 200 > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
+    ncu_summary "$tokens"
   done
+  exit 0
+fi
+if [ "$stage" = all ]; then
+  log=$OUT/all.log
+  deadline=570  # seconds since this script started ($SECONDS): 9.5 minutes in all
+  noise="cuda_executor|Source Location|external/xla|^\s*@ 0x|^$|^==PROF==|^==WARNING=="
+  # limit NOMINAL RESERVE: a step's seconds: NOMINAL, or fewer so that RESERVE seconds remain for the later steps
+  limit() {
+    local left=$((deadline - SECONDS - $2))
+    echo $((left < $1 ? left : $1))
+  }
+  step() {  # NAME SECONDS COMMAND...: runs COMMAND under `timeout` (SIGINT, then SIGKILL 10 s later) into the log
+    local name=$1 seconds=$2 rc
+    shift 2
+    if [ "$seconds" -lt 20 ]; then
+      echo "[${SECONDS} s] $name: skipped, no time left (its limit would be ${seconds} s)" | tee -a "$log"
+      return 0
+    fi
+    echo "[${SECONDS} s] $name (at most ${seconds} s)" | tee -a "$log"
+    timeout -s INT -k 10 "$seconds" "$@" 2>&1 | grep -v -E "$noise" >> "$log"
+    rc=${PIPESTATUS[0]}
+    case $rc in
+      124 | 137) echo "[${SECONDS} s] $name: exit $rc, stopped at its time limit" | tee -a "$log" ;;
+      *) echo "[${SECONDS} s] $name: exit $rc" | tee -a "$log" ;;
+    esac
+  }
+  export PYTHONPATH=$builds/current
+  echo "[${SECONDS} s] built; commit ${JAX_EP_COMMIT:-unknown}; $(nvidia-smi --query-gpu=name --format=csv,noheader \
+    2>/dev/null | head -1)" | tee "$log"
+  test_names=()  # the brief's two files: the layout tests belong to older versions
+  for file in "${gpu_test_files[@]}"; do
+    [ "$(basename "$file")" = test_cuda_layout.py ] || test_names+=("tests/$(basename "$file")")
+  done
+  # Each limit leaves the later steps their time: ncu 60 + 25 s each (SIGKILL grace, summary), targets 150 + 10 s,
+  # the table 15 s; a step's own SIGKILL grace is 10 s.
+  if [ ${#test_names[@]} -eq 0 ]; then
+    echo "[${SECONDS} s] GPU tests: skipped, no test file" | tee -a "$log"
+  else
+    step "GPU tests" "$(limit 240 $((10 + 2 * 85 + 160 + 15)))" env JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh \
+all: python bench/gpu_tests.py OUT/gpu_tests.json ${test_names[*]}" \
+      python3 "$repo/bench/gpu_tests.py" "$OUT/gpu_tests.json" "${test_names[@]/#/$repo/}"
+  fi
+  for tokens in 128 4096; do
+    seconds=$(limit 60 $((25 + (tokens == 128 ? 85 : 0) + 160 + 15)))
+    if [ "$seconds" -lt 20 ]; then
+      echo "[${SECONDS} s] ncu T=$tokens: skipped, no time left (its limit would be ${seconds} s)" | tee -a "$log"
+      continue
+    fi
+    echo "[${SECONDS} s] ncu T=$tokens (at most ${seconds} s)" | tee -a "$log"
+    ncu_run "$tokens" "$seconds" 2>&1 | grep -v -E "$noise" >> "$log"
+    rc=${PIPESTATUS[0]}
+    echo "[${SECONDS} s] ncu T=$tokens: exit $rc$([ "$rc" = 124 ] && echo ", stopped at its time limit")" \
+      | tee -a "$log"
+    JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh all: ncu --clock-control none --metrics \
+gpu__time_duration.sum --csv --print-units base python bench/profile_kernels.py run --tokens $tokens" \
+      ncu_summary "$tokens" 2>&1 | grep -v -E "$noise" >> "$log"
+  done
+  step "targets" "$(limit 150 $((10 + 15)))" env \
+    JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh all: python bench/one_gpu_targets.py OUT/targets.json \
+--tokens 128,4096" \
+    python3 "$repo/bench/one_gpu_targets.py" "$OUT/targets.json" --tokens 128,4096
+  echo "[${SECONDS} s] done" | tee -a "$log"
+  python3 "$repo/bench/one_gpu_targets.py" summarize "$OUT" 2>&1 | tee -a "$log"
   exit 0
 fi
 pairs=()

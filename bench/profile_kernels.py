@@ -2,11 +2,17 @@
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base --log-file K.csv \\
         python bench/profile_kernels.py run [--tokens 4096 --hidden 7168]
-    python bench/profile_kernels.py summarize K.csv OUT.json
+    python bench/profile_kernels.py summarize K.csv OUT.json [--tokens 4096 --hidden 7168]
 
-``run`` calls the jitted dispatch + combine three times; ``summarize`` keeps the kernels of the last call (from
-its routing-layout kernel on) in launch order, with their times. Nsight Compute runs kernels one at a time, so
-only one GPU: on several, a kernel that waits for its peers would wait forever.
+``run`` calls one jitted dispatch + combine (ragged layout, capacity=None, weights=d.weights) three times, with a
+marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call.
+``summarize`` keeps the kernels of the last call (those after the marker), in launch order, and splits them by
+name: dispatch is the
+``RoutingKernel`` and ``DispatchKernel`` launches, combine the ``CombineKernel`` launches (names matched by
+prefix, so template instances count). Every other kernel of the call is XLA's own (copies, fusions); those are
+listed apart, each with the jax_ep kernel it follows, and never counted into an op. A kernel name that is not
+found is reported under ``missing``, not an error. Nsight Compute runs kernels one at a time, so one GPU only:
+on several, a kernel that waits for its peers would wait forever.
 """
 
 from __future__ import annotations
@@ -16,58 +22,197 @@ import csv
 import sys
 from pathlib import Path
 
+# Each op's kernels, by the start of their function name (a template instance matches too).
+OPS = {"dispatch": ("RoutingKernel", "DispatchKernel"), "combine": ("CombineKernel",)}
+CALLS = 3
+MARKER = "cbrt"  # in the name of the kernel launched just before the last call
+
 
 def run(tokens: int, hidden: int) -> None:
     import jax
+    import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs
+    from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs
 
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
-    jax_ep.initialize(mesh, "ep", num_tokens=tokens, hidden=hidden, topk=TOPK, num_experts=EXPERTS)
+    group = jax_ep.initialize(mesh, "ep", num_tokens=tokens, hidden=hidden, topk=TOPK, num_experts=EXPERTS)
     x, idx, w, _ = make_inputs(1, tokens, hidden)
 
     def step(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend="cuda")
         return jax_ep.combine(d.x, d.handle, weights=d.weights)
 
+    marker_input = jax.device_put(np.arange(1, 1025, dtype=np.float32), jax.devices("gpu")[0])
+    marker = jax.jit(jnp.cbrt)
     with jax.set_mesh(mesh):
         call = jax.jit(jax.shard_map(step, in_specs=P("ep"), out_specs=P("ep")))
-        for _ in range(3):
+        for i in range(CALLS):
+            if i == CALLS - 1:
+                jax.block_until_ready(marker(marker_input))
             jax.block_until_ready(call(x, idx, w))
-    jax_ep.finalize()
+    group.finalize()
+    print(f"profile_kernels run: {CALLS} calls of dispatch + combine at T={tokens}, H={hidden}", flush=True)
 
 
-def summarize(csv_path: Path, out: Path) -> None:
+def function_name(kernel: str) -> str:
+    """The bare function name of a demangled kernel name: no namespaces, template arguments or parameters.
+
+    ``void jax_ep::<unnamed>::DispatchKernel<8, __nv_bfloat16>(jax_ep::Params)`` gives ``DispatchKernel``.
+    """
+    kernel = kernel.replace("(anonymous namespace)", "<unnamed>")
+    depth, kept = 0, []
+    for char in kernel:
+        if char == "<":
+            depth += 1
+        elif char == ">":
+            depth = max(depth - 1, 0)
+        elif depth == 0:
+            if char == "(":
+                break
+            kept.append(char)
+    words = "".join(kept).split("::")[-1].split()
+    return words[-1] if words else kernel.strip()
+
+
+def op_of(kernel: str) -> str | None:
+    """The op ("dispatch" or "combine") that a kernel belongs to, or None for XLA's own kernels."""
+    name = function_name(kernel)
+    for op, prefixes in OPS.items():
+        if name.startswith(prefixes):
+            return op
+    return None
+
+
+def read_kernels(csv_path: Path) -> list[dict]:
+    """Every profiled kernel, in launch order, with its device time in µs (ncu --csv --print-units base)."""
+    text = csv_path.read_text(errors="replace")
+    if '"ID"' not in text:
+        raise ValueError(f"{csv_path} holds no ncu CSV table (no '\"ID\"' header)")
+    rows = csv.DictReader(text[text.index('"ID"') :].splitlines())
+    kernels = []
+    for row in rows:
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        try:
+            ns = float(str(row["Metric Value"]).replace(",", ""))
+        except ValueError:
+            continue
+        kernels.append(
+            {
+                "kernel": row["Kernel Name"],
+                "name": function_name(row["Kernel Name"]),
+                "grid": row.get("Grid Size", ""),
+                "block": row.get("Block Size", ""),
+                "us": ns / 1e3,
+            }
+        )
+    return kernels
+
+
+def split_last_call(kernels: list[dict]) -> dict:
+    """The kernels of the last of the calls, by op, with XLA's own kernels apart; names not found are listed.
+
+    The last call is every kernel after the last marker kernel. Without a marker, it is every kernel after the
+    jax_ep kernels of the call before it, which also takes in XLA's kernels that end the call before
+    (``"boundary"`` says which). A call starts at its routing kernel (or its first jax_ep kernel).
+    """
+    ours = [i for i, k in enumerate(kernels) if op_of(k["kernel"])]
+    wanted = [prefix for prefixes in OPS.values() for prefix in prefixes]
+    found = {prefix for k in kernels for prefix in wanted if k["name"].startswith(prefix)}
+    missing = [prefix for prefix in wanted if prefix not in found]
+    if not ours:
+        return {"missing": missing, "error": "no jax_ep kernel in the profile", "calls_seen": 0}
+    routing = [i for i in ours if kernels[i]["name"].startswith(wanted[0])]
+    first = kernels[(routing or ours)[0]]["name"]  # the kernel each call starts with
+    starts = [i for i in ours if kernels[i]["name"] == first]
+    markers = [i for i, k in enumerate(kernels) if MARKER in k["name"]]
+    if markers:
+        begin, boundary = markers[-1] + 1, f"the {MARKER} marker kernel"
+    else:
+        previous = [i for i in ours if i < starts[-1]]
+        begin = previous[-1] + 1 if previous else starts[-1]
+        boundary = "no marker: the previous call's last jax_ep kernel (its trailing XLA kernels are counted too)"
+    last_call = kernels[begin:]
+    per_call = [sum(1 for i in ours if a <= i < b) for a, b in zip(starts, [*starts[1:], len(kernels)], strict=True)]
+    ops = {op: {"kernels": 0, "us": 0.0, "list": []} for op in OPS}
+    xla = {"kernels": 0, "us": 0.0, "list": []}
+    after = None
+    for k in last_call:
+        op = op_of(k["kernel"])
+        entry = {key: k[key] for key in ("name", "us", "grid", "block", "kernel")}
+        if op:
+            ops[op]["kernels"] += 1
+            ops[op]["us"] += k["us"]
+            ops[op]["list"].append(entry)
+            after = k["name"]
+        else:
+            xla["kernels"] += 1
+            xla["us"] += k["us"]
+            xla["list"].append({**entry, "after": after})
+    result = {
+        "missing": missing,
+        "calls_seen": len(starts),
+        "boundary": boundary,
+        "jax_ep_kernels_per_call": per_call,
+        "ops": ops,
+        "xla_kernels": xla,
+        "last_call": [{key: k[key] for key in ("name", "us", "grid")} for k in last_call],
+    }
+    if len(starts) != CALLS:
+        result["warning"] = f"{len(starts)} calls starting with {first} were profiled, not {CALLS}"
+    return result
+
+
+def summarize(csv_path: Path, out: Path, tokens: int | None, hidden: int | None) -> int:
     from jax_ep.bench.record import provenance, write
 
-    text = csv_path.read_text()
-    rows = list(csv.DictReader(text[text.index('"ID"') :].splitlines()))
-    kernels = [
-        {
-            "kernel": row["Kernel Name"].split("(")[0],
-            "grid": row["Grid Size"],
-            "block": row["Block Size"],
-            "us": float(row["Metric Value"].replace(",", "")) / 1e3,
-        }
-        for row in rows
-        if row["Metric Name"] == "gpu__time_duration.sum"
-    ]
-    first = max(i for i, k in enumerate(kernels) if "RoutingLayoutKernel" in k["kernel"])
-    last_call = kernels[first:]
-    combine_start = max(i for i, k in enumerate(last_call) if "RowsToTokensSendKernel" in k["kernel"]) - 1
     payload = {
         **provenance("python bench/profile_kernels.py " + " ".join(sys.argv[1:])),
-        "method": "Nsight Compute gpu__time_duration.sum per kernel (--clock-control none); kernels run one at a time",
-        "dispatch_us": sum(k["us"] for k in last_call[:combine_start]),
-        "combine_us": sum(k["us"] for k in last_call[combine_start:]),
-        "kernels": last_call,
+        "tokens": tokens,
+        "hidden": hidden,
+        "method": "Nsight Compute gpu__time_duration.sum per kernel (--clock-control none); kernels run one at a "
+        f"time; the last of {CALLS} calls of one jitted dispatch + combine",
+        "ops_by_kernel_name": {op: list(prefixes) for op, prefixes in OPS.items()},
     }
+    try:
+        kernels = read_kernels(csv_path)
+    except (OSError, ValueError) as error:
+        payload["error"] = f"no profile read: {error}"
+        kernels = []
+    if kernels:
+        payload.update(split_last_call(kernels))
+    elif "error" not in payload:
+        payload["error"] = "the profile holds no kernel"
+    if "ops" not in payload:  # help find out why: the end of what was profiled
+        payload["profiled_kernels_tail"] = [{key: k[key] for key in ("name", "us", "grid")} for k in kernels[-60:]]
     write(out, payload)
-    for k in last_call:
-        print(f"{k['us']:9.1f} us  grid {k['grid']:>14}  {k['kernel'][:90]}")
-    print(f"dispatch kernels {payload['dispatch_us']:.1f} us, combine kernels {payload['combine_us']:.1f} us")
+    for line in table(payload):
+        print(line)
+    return 0
+
+
+def table(payload: dict) -> list[str]:
+    """A few lines: each op's kernel count and summed device µs, XLA's kernels between, what is missing."""
+    head = f"ncu T={payload.get('tokens')}"
+    lines = []
+    if payload.get("error"):
+        lines.append(f"{head}: {payload['error']}")
+    for op, result in payload.get("ops", {}).items():
+        kernels = ", ".join(f"{k['name']} {k['us']:.1f}" for k in result["list"])
+        lines.append(f"{head} {op:8}: {result['kernels']} kernels, {result['us']:8.1f} us  ({kernels})")
+    xla = payload.get("xla_kernels")
+    if xla is not None:
+        kernels = ", ".join(f"{k['name']} {k['us']:.1f} after {k['after']}" for k in xla["list"][:6])
+        more = f", ... {xla['kernels'] - 6} more" if xla["kernels"] > 6 else ""
+        lines.append(f"{head} XLA's own: {xla['kernels']} kernels, {xla['us']:8.1f} us  ({kernels}{more})")
+    if payload.get("missing"):
+        lines.append(f"{head}: kernels not found: {', '.join(payload['missing'])}")
+    if payload.get("warning"):
+        lines.append(f"{head}: {payload['warning']}")
+    return lines
 
 
 def main() -> None:
@@ -79,8 +224,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "run":
         run(args.tokens, args.hidden)
+    elif len(args.paths) != 2:
+        parser.error("summarize takes K.csv OUT.json")
     else:
-        summarize(*args.paths)
+        sys.exit(summarize(*args.paths, args.tokens, args.hidden))
 
 
 if __name__ == "__main__":

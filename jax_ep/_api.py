@@ -115,9 +115,7 @@ def dispatch(
         return _dispatch(config, x, topk_idx, topk_weights)
 
 
-def combine(
-    y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None
-) -> jax.Array:
+def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None) -> jax.Array:
     """Bring expert outputs back to their tokens and sum them.
 
     ``out[t] = sum over delivered slots (t, k) of w * y[row of (t, k)]`` with

@@ -32,6 +32,7 @@ else:
 
 TRANSPORTS = ("auto", "nccl")
 MAX_TOPK = 64  # the kernels keep a token's rows in shared memory
+MAX_EXPERTS = 8192  # the receivers' row tables live in shared memory
 _SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
 _ids = itertools.count(1)  # group ids; also name each initialize call's keys in jax.distributed's key-value store
 
@@ -133,6 +134,14 @@ class Group:
         if message:
             raise RuntimeError(message)
 
+    def host_launches(self) -> int:
+        """How often XLA launched this group's calls from the host, over all of this process's GPUs.
+
+        Under XLA command buffers (CUDA graphs) the calls are recorded once and replayed, so this stays
+        below the number of calls that ran.
+        """
+        return int(extension().group_launches(self.id))
+
     def finalize(self) -> None:
         """Release the group's memory (collective across processes); compiled computations must not run again."""
         if self.released:
@@ -203,6 +212,10 @@ def initialize(
     sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
     if sizes["topk"] > MAX_TOPK:
         raise ValueError(f"jax_ep.initialize: topk must be at most {MAX_TOPK} for backend 'cuda', got {topk}")
+    if sizes["num_experts"] > MAX_EXPERTS:
+        raise ValueError(
+            f"jax_ep.initialize: num_experts must be at most {MAX_EXPERTS} for backend 'cuda', got {num_experts}"
+        )
     if not timeout_s > 0:
         raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
     if num_sms is not None:
@@ -313,7 +326,11 @@ def _connect(
 
 def _nccl_pairs(
     group_id: int,
-    groups: list[list[Any]], local: list[tuple[int, int, Any]], transport: str, client: Any, timeout_s: float
+    groups: list[list[Any]],
+    local: list[tuple[int, int, Any]],
+    transport: str,
+    client: Any,
+    timeout_s: float,
 ) -> list[list[list[bool]]]:
     """``[g][a][b]``: whether ranks a and b of group g swap rows through NCCL; the same in every process."""
     force = transport == "nccl" or os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")

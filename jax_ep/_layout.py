@@ -46,16 +46,16 @@ def local_layout(topk_idx: jax.Array, num_experts: int, num_ranks: int) -> Local
 
     # Rank of each slot within its expert, in (t, k) order: a stable sort by expert.
     expert = jnp.where(valid, topk_idx, num_experts).reshape(-1)
-    order = jnp.argsort(expert, stable=True)
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
     counts = jnp.zeros(num_experts + 1, jnp.int32).at[expert].add(1)
-    starts = jnp.cumsum(counts) - counts
+    starts = jnp.cumsum(counts, dtype=jnp.int32) - counts
     rank_sorted = jnp.arange(expert.size, dtype=jnp.int32) - starts[expert[order]]
     slot_rank = jnp.zeros_like(expert).at[order].set(rank_sorted).reshape(num_tokens, topk)
     slot_rank = jnp.where(valid, slot_rank, -1)
 
     # A token goes to a rank once, however many of its experts it picked there.
     dest = jnp.where(valid, topk_idx // local_experts, num_ranks)
-    tokens = jnp.arange(num_tokens)[:, None]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     sends = jnp.zeros((num_tokens, num_ranks + 1), bool).at[tokens, dest].set(True)[:, :num_ranks]
     position = jnp.cumsum(sends, axis=0, dtype=jnp.int32) - 1
     token_dest_pos = jnp.where(sends, position, -1)
@@ -80,13 +80,13 @@ def assign_rows(
     expert = jnp.where(valid, topk_idx, 0)
 
     # Slots of each expert from lower source ranks come first.
-    base = jnp.cumsum(all_counts, axis=0) - all_counts  # [R_src, E]
-    total = jnp.sum(all_counts, axis=0)  # [E]
+    base = jnp.cumsum(all_counts, axis=0, dtype=jnp.int32) - all_counts  # [R_src, E]
+    total = jnp.sum(all_counts, axis=0, dtype=jnp.int32)  # [E]
     if config.layout == "ragged":
         align = config.expert_alignment
         padded = (total + align - 1) // align * align
         per_dest = padded.reshape(num_ranks, local_experts)
-        seg_start = (jnp.cumsum(per_dest, axis=1) - per_dest).reshape(-1)  # [E]
+        seg_start = (jnp.cumsum(per_dest, axis=1, dtype=jnp.int32) - per_dest).reshape(-1)  # [E]
         position = seg_start[expert] + base[rank][expert] + slot_rank
         kept = valid & (position < capacity)
         slot_row = jnp.where(kept, position, -1)
@@ -103,5 +103,5 @@ def assign_rows(
         group_sizes = jnp.minimum(mine_total, capacity)
         kept_here = group_sizes
     slot_dest = jnp.where(valid, expert // local_experts, -1)
-    num_dropped = jnp.sum(mine_total) - jnp.sum(kept_here)
+    num_dropped = jnp.sum(mine_total, dtype=jnp.int32) - jnp.sum(kept_here, dtype=jnp.int32)
     return RowAssignment(slot_row, slot_dest, group_sizes.astype(jnp.int32), num_dropped.astype(jnp.int32))

@@ -13,7 +13,7 @@ def gpu_devices() -> list:
 
 def require_cuda(min_gpus: int = 1):
     """A pytest mark that skips unless ``min_gpus`` GPUs and the CUDA extension are here."""
-    from jax_ep import _cuda
+    from jax_ep import _group as _cuda
 
     count = len(gpu_devices())
     return pytest.mark.skipif(

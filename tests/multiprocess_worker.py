@@ -1,6 +1,7 @@
 """One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
 
-    python tests/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs}
+    python tests/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
+                                                         wrong_rank_shared,scan_shared}
 
 compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
            within float32 rounding, gradients; random routings. Prints the ranks it reaches through NCCL
@@ -12,6 +13,13 @@ compare_shared: the same cases with both processes on GPU 0, each one rank, stor
 peer_hangs: process 1 stays alive but never enters a transfer; process 0's first dispatch gives up after
            timeout_s and its next one fails naming rank 1. Prints "OK" at the end. (A process that dies is
            reported by jax.distributed itself, which stops the others.)
+late_shared: both on GPU 0; process 1 stalls on the host past timeout_s before its dispatch. Process 0 gives
+           up (NaN outputs, an error naming rank 1); process 1 then arrives late and fails the same way, never
+           reading stale data; after jax_ep.initialize again both match the reference.
+wrong_rank_shared: both on GPU 0; the group is made for a mesh in process order, the call runs over the
+           reversed mesh, so lax.axis_index differs from the kernels' rank: both fail with that error.
+scan_shared: both on GPU 0, XLA command buffers on (the test sets XLA_FLAGS): tests/command_buffer_scan.py's
+           200-step training scan, each rank against the NumPy reference.
 """
 
 import os
@@ -60,8 +68,10 @@ def run(mesh, backend, x, idx, w, **kw):
 
     def forward(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, axis_name="ep", backend=backend, **kw)
-        out = jax_ep.combine(d.x * 2 + 1, d.handle, weights=d.weights)
-        return d.x[None], d.weights[None], d.group_sizes[None], out
+        out = jax_ep.combine(d.x * 2 + 1, d.handle, weights=d.weights, partial_dtype=jnp.float32)
+        # The ragged tail past sum(group_sizes) is unspecified: compare only the rows the contract specifies.
+        held = jnp.arange(d.x.shape[0])[:, None] < jnp.sum(d.group_sizes) if kw.get("layout") == "ragged" else True
+        return jnp.where(held, d.x, 0)[None], d.weights[None], d.group_sizes[None], out
 
     def loss_grads(x, w, idx):  # idx is an argument: a jitted function cannot close over another process's shards
         def body(x, idx, w):
@@ -94,7 +104,10 @@ def reference_run(mesh, host, dtype, *, num_experts, layout, capacity):
 
     xs, ids, ws = (a.reshape(R, a.shape[0] // R, -1) for a in (host[0].astype(np.float32), *host[1:]))
     ref = reference.dispatch(xs, ids, ws, num_experts=num_experts, layout=layout, capacity=capacity)
-    out = reference.combine(ref, ref.x * 2 + 1, ref.weights)
+    held = np.zeros(ref.weights.shape, bool)
+    for d, row in ref.rows.values():
+        held.reshape(R, -1)[d, row] = True
+    out = reference.combine(ref, np.where(held[..., None], ref.x * 2 + 1, 0), ref.weights)
     y = np.asarray(jnp.tanh(ref.x).astype(dtype).astype(jnp.float32))  # the loss's tanh, rounded like its cast
     g = 2 * reference.combine(ref, y, ref.weights)
     dy, dweights = reference.combine_vjp(ref, y, ref.weights, g)
@@ -150,21 +163,117 @@ def peer_hangs(mesh, process_id):
     client.key_value_set("peer_hangs/done", "1")
 
 
+def late_shared(mesh, process_id, timeout_s):
+    """Process 1 comes late: both calls fail (NaN, named errors); after initialize again both are right."""
+    import jax_ep
+
+    client = distributed.global_state.client
+    kw = dict(num_experts=16, layout="ragged", capacity=None)
+    host = host_inputs(64, 256, 4, 16, np.float32, seed=7, messy=True)
+    x, idx, w = (global_array(mesh, a) for a in host)
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None]
+
+    with jax.set_mesh(mesh):  # both compile first: XLA shares autotuning results between the processes
+        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
+    client.wait_at_barrier("late/compiled", 60_000)
+    if process_id == 1:
+        time.sleep(timeout_s + 2)  # a host stall past the group's timeout
+    out = local(step(x, idx, w))
+    assert np.all(np.isnan(out)), f"process {process_id} read data of a call its peer gave up on: {out[:4]}"
+    print(f"process {process_id}: outputs are NaN", flush=True)
+    want = "gave up waiting for rank 1" if process_id == 0 else "gave up waiting for rank 1 (this GPU)"
+    for attempt in ("check", "next call"):
+        try:
+            if attempt == "check":
+                GROUP[0].check()
+            else:
+                jax.block_until_ready(step(x, idx, w))
+        except Exception as error:  # noqa: BLE001
+            assert want in str(error), error
+            print(f"{attempt} failed as expected: {str(error)[:300]}", flush=True)
+        else:
+            raise AssertionError(f"the {attempt} after the timeout did not fail")
+    client.wait_at_barrier("late/failed", 60_000)
+    GROUP[0] = jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
+    with jax.set_mesh(mesh):
+        again = local(jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w))
+    want_weights = reference_run(mesh, host, np.float32, **kw)[1]
+    np.testing.assert_array_equal(again, want_weights)
+    print("after initialize again: cuda == reference", flush=True)
+
+
+def wrong_rank_shared(mesh, process_id):
+    """The call runs over the reversed mesh: lax.axis_index differs from the rank the group gave each GPU."""
+    import jax_ep
+
+    reversed_mesh = jax.sharding.Mesh(np.array(list(mesh.devices.flat)[::-1]), ("ep",))
+    host = host_inputs(64, 256, 4, 16, np.float32, seed=9, messy=False)
+    x, idx, w = (global_array(reversed_mesh, a) for a in host)
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda").weights[None]
+
+    with jax.set_mesh(reversed_mesh):
+        out = local(jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w))
+    assert np.all(np.isnan(out)), out[:4]
+    try:
+        GROUP[0].check()
+    except RuntimeError as error:
+        assert "differs from the kernels' rank" in str(error), error
+        print(f"check failed as expected: {str(error)[:300]}", flush=True)
+    else:
+        raise AssertionError("a call over a reversed mesh did not fail")
+
+
+def scan_shared(mesh, process_id):
+    """tests/command_buffer_scan.py's scan with two processes on one GPU, each rank against the reference."""
+    import command_buffer_scan as scan
+
+    data = scan.inputs(R)
+    args = [global_array(mesh, data[k]) for k in ("x", "idx", "w", "c", "scale")]
+    with jax.set_mesh(mesh):
+        compiled = scan.scan_fn("cuda").lower(*args).compile()
+        jax.block_until_ready(compiled(*args))  # the first run records the command buffers
+        result = []
+        run = lambda: result.extend(jax.block_until_ready(compiled(*args)))  # noqa: E731
+        launches, calls = scan.launches_per_call(GROUP[0], run)
+        print(f"captured: {launches} host launches for {calls} calls", flush=True)
+        assert launches < calls, "the calls were not captured in command buffers"
+        losses, scale = (local(a) for a in result)
+    want_losses, want_scale = scan.reference_scan(data, R)
+    np.testing.assert_allclose(losses[0], want_losses[process_id], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(scale[0], want_scale[process_id], rtol=1e-4, atol=1e-5)
+    print(f"{scan.STEPS} steps: rank {process_id} matches the reference", flush=True)
+
+
+GROUP = [None]
+
+
 def main():
     port, process_id, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    gpu = 0 if mode == "compare_shared" else process_id
+    gpu = 0 if mode.endswith("_shared") else process_id
     jax.distributed.initialize(f"localhost:{port}", num_processes=R, process_id=process_id, local_device_ids=[gpu])
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
-    timeout_s = 3.0 if mode == "peer_hangs" else 30.0
-    jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
+    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared") else 30.0
+    sizes = dict(num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
+    GROUP[0] = jax_ep.initialize(mesh, "ep", **sizes)
     if mode.startswith("compare"):
         print(f"NCCL ranks: {list(jax_ep.nccl_ranks()[mesh.local_devices[0]])}", flush=True)
         compare(mesh, "reference" if mode == "compare_shared" else "xla")
-        jax_ep.finalize()  # collective: every process unmaps its peers' buffers before any frees its own
+    elif mode == "late_shared":
+        late_shared(mesh, process_id, timeout_s)
+    elif mode == "wrong_rank_shared":
+        wrong_rank_shared(mesh, process_id)
+    elif mode == "scan_shared":
+        scan_shared(mesh, process_id)
     else:
         peer_hangs(mesh, process_id)
+    if mode != "peer_hangs":
+        jax_ep.finalize()  # collective: every process unmaps its peers' buffers before any frees its own
     print("OK", flush=True)
     # Leave together, without jax.distributed's shutdown handshake (a timed-out group cannot finish it);
     # process 0 hosts the coordination service, so it goes last.

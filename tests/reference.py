@@ -184,6 +184,38 @@ def combine(ref: RefDispatch, y: np.ndarray, weights: np.ndarray | None = None) 
     return out
 
 
+def combine_ordered(
+    ref: RefDispatch, y: np.ndarray, weights: np.ndarray | None = None, partial_dtype: object = None
+) -> np.ndarray:
+    """``out [R, T, H]`` in ``y``'s dtype, summed in SPEC's combine order (version 2).
+
+    1. Each destination rank ``d`` sums, in float32, ``w * y[row]`` over the delivered slots of token
+       ``(r, t)`` that it holds, in ascending row order (not ``k`` order).
+    2. It rounds that partial sum to ``partial_dtype`` (None: ``y``'s dtype).
+    3. The source adds the partials in float32 in ascending rank order and rounds once to ``y``'s dtype.
+
+    With ``partial_dtype=np.float32`` this is the float32 sum over all delivered slots, rounded once.
+    """
+    out_dtype = np.dtype(y.dtype)
+    partial_dtype = out_dtype if partial_dtype is None else np.dtype(partial_dtype)
+    held: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for (r, t, _), (d, row) in ref.rows.items():
+        held.setdefault((r, t), {}).setdefault(d, []).append(row)
+    out = np.zeros((ref.num_ranks, ref.num_tokens, y.shape[-1]), out_dtype)
+    for (r, t), per_rank in held.items():
+        total = np.zeros(y.shape[-1], np.float32)
+        for d in sorted(per_rank):
+            partial = np.zeros(y.shape[-1], np.float32)
+            for row in sorted(per_rank[d]):
+                term = _flat(y, d, 1)[row].astype(np.float32)
+                if weights is not None:
+                    term = np.float32(_slot_weight(weights, d, row)) * term
+                partial = (partial + term).astype(np.float32)
+            total = (total + partial.astype(partial_dtype).astype(np.float32)).astype(np.float32)
+        out[r, t] = total.astype(out_dtype)
+    return out
+
+
 def dispatch_vjp(ref: RefDispatch, ct_x: np.ndarray, ct_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """SPEC Gradients, dispatch: ``dx [R, T, H]`` (float64) and ``dtopk_weights [R, T, K]`` (float32).
 

@@ -1,10 +1,24 @@
-"""``python -m jax_ep.bench`` runs every suite end to end on CPU (xla backend, emulated ragged_all_to_all)."""
+"""The benchmark scripts end to end on CPU (xla backend, emulated ragged_all_to_all), and their parsers."""
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    """A module of bench/ (not a package), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
@@ -20,8 +34,9 @@ def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
     assert result["command"].startswith("python -m jax_ep.bench")
     assert result["ranks"] == 2 and result["platform"] == "cpu"
     training = result["training"]["xla"]
-    for key in ("dispatch_us", "combine_us", "routing_only_us", "local_layout_us", "dispatch_gbps"):
+    for key in ("dispatch_us", "combine_us", "dispatch_gbps"):
         assert training[key] > 0, key
+    assert not {"routing_only_us", "local_layout_us"} & set(training)  # no layout-only step any more
     assert result["decode"]["xla"]["dispatch_us"] > 0
     assert [(p["tokens"], p["hidden"]) for p in result["sweep"]] == [(16, 64), (32, 64), (16, 128), (32, 128)]
     assert all(p["xla"]["combine_us"] > 0 for p in result["sweep"])
@@ -63,3 +78,146 @@ def test_speedups_are_per_suite_and_shape():
         "training T=4096,H=7168": {"xla": 2.0, "ragged_all_to_all_one_shot_true": 50.0},
         "sweep T=4096,H=7168": {"xla": 1.0, "ragged_all_to_all_one_shot_true": 25.0},
     }
+
+
+def test_time_backend_passes_partial_dtype():
+    import inspect
+
+    from jax_ep.bench.timing import time_backend
+
+    assert inspect.signature(time_backend).parameters["partial_dtype"].default is None
+
+
+def _ncu_csv(path: Path, calls: list[list[tuple[str, float]]]) -> None:
+    """An ncu --csv --print-units base log of these kernels (name, µs), after a line of ncu's own."""
+    columns = ["ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit"]
+    lines = ["==PROF== Connected to process 1", ",".join(f'"{c}"' for c in [*columns, "Metric Value"])]
+    kernels = [k for call in calls for k in call]
+    for i, (name, us) in enumerate(kernels):
+        cells = [str(i), name, "(1024, 1, 1)", "(132, 1, 1)", "Command line profiler metrics"]
+        cells += ["gpu__time_duration.sum", "ns", f"{us * 1000:,.0f}"]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    path.write_text("\n".join(lines) + "\n")
+
+
+ROUTING = "void jax_ep::(anonymous namespace)::RoutingKernel<8>(jax_ep::Params)"
+DISPATCH = "void jax_ep::<unnamed>::DispatchKernel<__nv_bfloat16, 8, true>(jax_ep::Params)"
+COMBINE = "jax_ep::<unnamed>::CombineKernel<float>"
+
+
+def test_profile_summary_splits_the_last_call_by_kernel_name(tmp_path):
+    profile = _script("profile_kernels")
+    assert profile.function_name(DISPATCH) == "DispatchKernel"
+    assert profile.function_name(ROUTING) == "RoutingKernel"
+    assert profile.function_name("loop_add_fusion") == "loop_add_fusion"
+    call = [("input_concatenate_fusion", 2.0), (ROUTING, 5.0), (DISPATCH, 100.0), ("loop_select_fusion", 3.0)]
+    call += [(COMBINE, 80.0), ("wrapped_copy", 1.0)]
+    last = [(name, us * 2) for name, us in call]  # the last call is told apart by its times
+    marker = [("wrapped_cbrt", 0.5)]
+    _ncu_csv(tmp_path / "k.csv", [[("convert_fusion", 7.0)], call, call, marker, last])
+    profile.summarize(tmp_path / "k.csv", tmp_path / "k.json", 128, 7168)
+
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["missing"] == [] and result["calls_seen"] == 3 and result["jax_ep_kernels_per_call"] == [3, 3, 3]
+    assert "marker" in result["boundary"]
+    dispatch, combine = result["ops"]["dispatch"], result["ops"]["combine"]
+    assert (dispatch["kernels"], dispatch["us"]) == (2, 210.0)
+    assert [k["name"] for k in dispatch["list"]] == ["RoutingKernel", "DispatchKernel"]
+    assert (combine["kernels"], combine["us"]) == (1, 160.0)
+    xla = result["xla_kernels"]
+    assert [(k["name"], k["us"], k["after"]) for k in xla["list"]] == [
+        ("input_concatenate_fusion", 4.0, None),
+        ("loop_select_fusion", 6.0, "DispatchKernel"),
+        ("wrapped_copy", 2.0, "CombineKernel"),
+    ]
+    assert xla["us"] == 12.0
+
+    # Without the marker, the call before's trailing XLA kernels are taken in, and the JSON says so.
+    _ncu_csv(tmp_path / "k.csv", [call, call, last])
+    profile.summarize(tmp_path / "k.csv", tmp_path / "k.json", 128, 7168)
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["boundary"].startswith("no marker") and result["ops"]["dispatch"]["us"] == 210.0
+    assert [k["name"] for k in result["xla_kernels"]["list"]][:2] == ["wrapped_copy", "input_concatenate_fusion"]
+
+
+def test_profile_summary_says_what_is_missing_instead_of_failing(tmp_path):
+    profile = _script("profile_kernels")
+    _ncu_csv(tmp_path / "k.csv", [[(ROUTING, 5.0), ("fusion", 1.0), (DISPATCH, 9.0)]] * 2)
+    profile.summarize(tmp_path / "k.csv", tmp_path / "k.json", 128, 7168)
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["missing"] == ["CombineKernel"] and result["ops"]["combine"]["kernels"] == 0
+    assert "2 calls" in result["warning"]
+
+    _ncu_csv(tmp_path / "none.csv", [[("fusion", 1.0)]])
+    profile.summarize(tmp_path / "none.csv", tmp_path / "none.json", 128, 7168)
+    result = json.loads((tmp_path / "none.json").read_text())
+    assert "no jax_ep kernel" in result["error"] and result["profiled_kernels_tail"][0]["name"] == "fusion"
+
+    profile.summarize(tmp_path / "absent.csv", tmp_path / "absent.json", 128, 7168)
+    assert "no profile read" in json.loads((tmp_path / "absent.json").read_text())["error"]
+
+
+def test_gpu_tests_records_every_outcome(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert False\n"
+        "@pytest.mark.skip(reason='no')\n"
+        "def test_skip(): pass\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('setup')\n"
+        "def test_error(broken): pass\n"
+    )
+    command = [sys.executable, str(ROOT / "bench" / "gpu_tests.py"), str(tmp_path / "out.json"), "test_sample.py"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["complete"] and result["pytest_exit"] == 1 and "interrupted" not in result
+    assert result["summary"] == {"passed": 1, "failure": 1, "error": 1, "skipped": 1}
+    outcomes = {case["test"].split("::")[-1]: case["outcome"] for case in result["tests"]}
+    assert outcomes == {"test_ok": "passed", "test_bad": "failure", "test_skip": "skipped", "test_error": "error"}
+
+
+@pytest.mark.parametrize("platform", ["cpu"])
+def test_one_gpu_targets_cpu_dry_run_and_the_device_summary(tmp_path, platform):
+    out = tmp_path / "targets.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(ROOT / "bench" / "one_gpu_targets.py"), str(out), "--platform", platform]
+    command += ["--tokens", "32,128", "--hidden", "128", "--iters", "2"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["errors"] == [] and result["tokens"] == [128, 32]
+    assert result["script_command"].startswith("python bench/one_gpu_targets.py")
+    assert "skipped" in result["copy"] and result["cuda"]["used"] is False
+    assert result["checked"] is False  # xla against itself checks nothing
+    assert result["check"]["128"]["passed"] and result["check"]["32"]["dispatch_bitwise"]
+    decode = result["decode"]
+    assert decode["backend"] == "xla" and decode["dispatch_us"] > 0 and decode["combine_us"] > 0
+    assert decode["delivered_rows"] == 128 * 8
+    assert decode["dispatch_floor_bytes"] == 128 * 128 * 2 + 1024 * 128 * 2 + 1024 * 4
+    assert decode["dispatch_floor_us"] is None and decode["dispatch_ratio"] is None
+    assert result["tokens_32"]["combine_us"] > 0
+    steps = result["training_step"]
+    assert steps["128"]["xla_us"] > 0 and steps["32"]["xla_us"] > 0 and "skipped" in steps
+    assert done.stdout.rstrip().splitlines()[-1].startswith("checked: false (xla against xla;")
+
+    profile = _script("profile_kernels")
+    _ncu_csv(tmp_path / "k.csv", [[(ROUTING, 5.0), (DISPATCH, 9.0), (COMBINE, 4.0)]] * 3)
+    profile.summarize(tmp_path / "k.csv", tmp_path / "kernels_128.json", 128, 7168)
+    (tmp_path / "gpu_tests.json").write_text(json.dumps({"pytest_exit": 0, "summary": {"passed": 3}, "tests": []}))
+    lines = _script("one_gpu_targets").summarize(tmp_path)
+    assert lines[0] == "GPU tests (complete, pytest exit 0): {'passed': 3}"
+    assert lines[1].startswith("ncu T=128 dispatch: 2 kernels,     14.0 us")
+    assert any(line.startswith("training step T=  128: xla") for line in lines)
+
+
+def test_floors_count_hbm_bytes():
+    targets = _script("one_gpu_targets")
+    floors = targets.floors(4096, 7168, 4096 * 8, 4e12)
+    row = 7168 * 2
+    assert floors["dispatch_floor_bytes"] == 4096 * row + 32768 * row + 32768 * 4
+    assert floors["combine_floor_bytes"] == floors["dispatch_floor_bytes"]
+    assert floors["dispatch_floor_us"] == pytest.approx(floors["dispatch_floor_bytes"] / 4e12 * 1e6)
+    assert targets.role(4096) == "training" and targets.role(128) == "decode" and targets.role(64) == "tokens_64"

@@ -51,6 +51,36 @@ def test_two_processes_sharing_one_gpu_match_the_reference(tmp_path):
         assert "NCCL ranks: []" in out
 
 
+@require_cuda(min_gpus=1)
+def test_a_late_rank_fails_and_never_reads_stale_data(tmp_path):
+    """Process 1 stalls on the host past timeout_s: both fail with errors naming rank 1, never pairing data of
+    different calls, and both are right again after jax_ep.initialize."""
+    for i, (code, out) in enumerate(_run_pair("late_shared", timeout=240, tmp_path=tmp_path)):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert f"process {i}: outputs are NaN" in out
+        assert out.count("failed as expected") == 2
+        assert "after initialize again: cuda == reference" in out
+
+
+@require_cuda(min_gpus=1)
+def test_a_mesh_in_another_device_order_is_an_error(tmp_path):
+    """The group's ranks follow the mesh given to initialize; a call over the reversed mesh fails on both."""
+    for code, out in _run_pair("wrong_rank_shared", timeout=180, tmp_path=tmp_path):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert "check failed as expected" in out
+
+
+@require_cuda(min_gpus=1)
+def test_a_training_scan_under_command_buffers_with_two_processes(tmp_path):
+    """tests/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0."""
+    from command_buffer_scan import COMMAND_BUFFER_FLAGS
+
+    env = {"XLA_FLAGS": COMMAND_BUFFER_FLAGS}
+    for code, out in _run_pair("scan_shared", timeout=300, tmp_path=tmp_path, env=env):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert "captured:" in out and "matches the reference" in out
+
+
 @require_cuda(min_gpus=2)
 def test_a_peer_that_never_arrives_gives_a_clear_error_not_a_hang(tmp_path):
     (code, out), _ = _run_pair("peer_hangs", timeout=180, tmp_path=tmp_path)

@@ -1,4 +1,14 @@
-"""The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs)."""
+"""The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs).
+
+There are no GPUs, so no :class:`jax_ep.Group`: the tests put a stand-in group for axis "ep" into
+``jax_ep._group``'s registry, which is where ``backends/cuda.py:find_group`` looks. Where the CUDA
+extension is not built, a stand-in extension that registers no FFI target takes its place: tracing
+never looks a target up (only compiling does), so the calls are checked on every machine.
+"""
+
+import re
+from collections import Counter
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -6,58 +16,138 @@ import pytest
 from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import _cuda
+import jax_ep
+from jax_ep import _group
 
-pytestmark = pytest.mark.skipif(not _cuda.available(), reason=_cuda.unavailable_reason())
+TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_dispatch_rows")
+GROUP_ID = 4242
 
-TARGETS = ("jax_ep_routing_layout", "jax_ep_exchange", "jax_ep_tokens_to_rows", "jax_ep_rows_to_tokens")
+
+@pytest.fixture
+def extension(monkeypatch):
+    """The CUDA extension, or a stand-in that registers nothing when it is not built."""
+    if not _group.available():
+        fake = SimpleNamespace(type_registrations=dict, registrations=dict)
+        monkeypatch.setattr(_group, "_extension", fake)
+        monkeypatch.setattr(_group, "_import_error", None)
+        monkeypatch.setattr(_group, "_registered", False)
+    return _group.extension()
+
+
+def _stand_in_group(monkeypatch, num_ranks=2):
+    group = _group.Group(
+        id=GROUP_ID,
+        axis_name="ep",
+        num_ranks=num_ranks,
+        num_sms=1,
+        sizes={},
+        processes=[0],
+        setup_timeout_ms=1,
+        nccl={},
+    )
+    monkeypatch.setitem(_group._groups, "ep", group)
+    return group
+
+
+ARGS = (
+    jax.ShapeDtypeStruct((8, 16), jnp.float32),  # 2 ranks of T=4, H=16
+    jax.ShapeDtypeStruct((8, 2), jnp.int32),
+    jax.ShapeDtypeStruct((8, 2), jnp.float32),
+)
+
+
+def _targets(text: str) -> Counter:
+    """How many FFI calls of each jax_ep target a jaxpr's text holds."""
+    return Counter(name for name in re.findall(r"\bjax_ep_\w+", text) if name in TARGETS)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, layout):
-    import jax_ep
-
-    monkeypatch.setattr(_cuda, "_state", {"axis_name": "ep", "num_ranks": 2, "timeout_cycles": 1})
+def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, extension, layout):
+    """One jax_ep_dispatch per dispatch, one jax_ep_combine per combine; backward: combine's is one
+    jax_ep_dispatch_rows, dispatch's one jax_ep_combine. Shapes and dtypes come out as the contract says."""
+    _stand_in_group(monkeypatch)
+    seen = {}
 
     def moe(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", layout=layout, backend="cuda")
+        assert d.handle.config.backend == "cuda" and d.handle.config.group == GROUP_ID
+        seen["d"] = d
         return jax_ep.combine(jnp.tanh(d.x).astype(jnp.bfloat16), d.handle, weights=d.weights)
 
     def loss(x, idx, w):
         out = jax.shard_map(moe, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
         return jnp.sum(out.astype(jnp.float32))
 
-    args = (
-        jax.ShapeDtypeStruct((8, 16), jnp.float32),
-        jax.ShapeDtypeStruct((8, 2), jnp.int32),
-        jax.ShapeDtypeStruct((8, 2), jnp.float32),
-    )
     with jax.set_mesh(cpu_mesh((2,), ("ep",))):
-        grads = jax.eval_shape(jax.grad(loss, argnums=(0, 2)), *args)
-        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(*args))
-    assert [g.shape for g in grads] == [(8, 16), (8, 2)]
-    counts = {name: text.count(name) for name in TARGETS}
-    # dispatch: layout, counts and metadata exchanges, tokens; combine: rows to tokens; and each backward pass
-    assert counts == {
-        "jax_ep_routing_layout": 1,
-        "jax_ep_exchange": 3,
-        "jax_ep_tokens_to_rows": 2,
-        "jax_ep_rows_to_tokens": 2,
+        forward = _targets(str(jax.make_jaxpr(loss)(*ARGS)))
+        grads = jax.eval_shape(jax.grad(loss, argnums=(0, 2)), *ARGS)
+        backward = _targets(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(*ARGS)))
+    assert [(g.shape, g.dtype) for g in grads] == [((8, 16), jnp.float32), ((8, 2), jnp.float32)]
+    assert forward == {"jax_ep_dispatch": 1, "jax_ep_combine": 1}
+    assert backward == {"jax_ep_dispatch": 1, "jax_ep_combine": 2, "jax_ep_dispatch_rows": 1}
+
+    d = seen["d"]
+    capacity = 2 * 4 * 2 if layout == "ragged" else 2 * 4  # R*T*min(K, L) with L = 4, or R*T
+    rows = (capacity,) if layout == "ragged" else (4, capacity)
+    assert (d.x.shape, d.x.dtype) == ((*rows, 16), jnp.float32)
+    assert (d.weights.shape, d.weights.dtype) == (rows, jnp.float32)
+    assert (d.group_sizes.shape, d.group_sizes.dtype) == ((4,), jnp.int32)
+    assert d.num_dropped.shape == d.num_invalid.shape == ()
+    handle = {name: getattr(d.handle, name) for name in ("token_dest_pos", "slot_dest", "recv_rows", "row_slot")}
+    assert {name: a.shape for name, a in handle.items()} == {
+        "token_dest_pos": (4, 2),
+        "slot_dest": (4, 2),
+        "recv_rows": (2, 4, 2),
+        "row_slot": (capacity if layout == "ragged" else 4 * capacity,),
     }
+    assert all(leaf.dtype == jnp.int32 for leaf in jax.tree_util.tree_leaves(d.handle))
 
 
-def test_cuda_without_initialize_is_a_clear_error(monkeypatch):
-    import jax_ep
+def test_combine_partial_dtype_float32_traces(monkeypatch, extension):
+    """partial_dtype=float32 with bf16 y is one jax_ep_combine too; a third dtype is refused by the cuda backend."""
+    _stand_in_group(monkeypatch)
 
-    monkeypatch.setattr(_cuda, "_state", {})
+    def body(x, idx, w, partial_dtype):
+        d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda")
+        return jax_ep.combine(d.x.astype(jnp.bfloat16), d.handle, partial_dtype=partial_dtype)
 
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        f32 = jax.shard_map(lambda *a: body(*a, jnp.float32), in_specs=P("ep"), out_specs=P("ep"))
+        assert _targets(str(jax.make_jaxpr(f32)(*ARGS))) == {"jax_ep_dispatch": 1, "jax_ep_combine": 1}
+        f16 = jax.shard_map(lambda *a: body(*a, jnp.float16), in_specs=P("ep"), out_specs=P("ep"))
+        with pytest.raises(TypeError, match="partial"):
+            jax.make_jaxpr(f16)(*ARGS)
+
+
+def _trace_cuda_dispatch(topk=2):
     def body(x, idx, w):
         return jax_ep.dispatch(x, idx, w, num_experts=4, axis_name="ep", backend="cuda").x
 
-    with jax.set_mesh(cpu_mesh((2,), ("ep",))), pytest.raises(ValueError, match="jax_ep.initialize"):
-        jax.eval_shape(
-            jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")),
-            jax.ShapeDtypeStruct((4, 8), jnp.float32),
-            jax.ShapeDtypeStruct((4, 2), jnp.int32),
-            jax.ShapeDtypeStruct((4, 2), jnp.float32),
-        )
+    jax.eval_shape(
+        jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")),
+        jax.ShapeDtypeStruct((4, 8), jnp.float32),
+        jax.ShapeDtypeStruct((4, topk), jnp.int32),
+        jax.ShapeDtypeStruct((4, topk), jnp.float32),
+    )
+
+
+def test_cuda_without_initialize_is_a_clear_error(monkeypatch, extension):
+    monkeypatch.setattr(_group, "_groups", {})
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))), pytest.raises(ValueError, match=r"jax_ep\.initialize\(mesh, 'ep'"):
+        _trace_cuda_dispatch()
+
+
+def test_cuda_with_a_group_of_another_size_is_a_clear_error(monkeypatch, extension):
+    _stand_in_group(monkeypatch, num_ranks=4)
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))), pytest.raises(ValueError, match="for 4 ranks.*runs over 2"):
+        _trace_cuda_dispatch()
+
+
+def test_cuda_topk_over_the_kernels_limit_is_a_clear_error(monkeypatch, extension):
+    _stand_in_group(monkeypatch)
+    topk = _group.MAX_TOPK + 1
+    with (
+        jax.set_mesh(cpu_mesh((2,), ("ep",))),
+        pytest.raises(ValueError, match=f"topk must be at most {_group.MAX_TOPK}.*got {topk}"),
+    ):
+        _trace_cuda_dispatch(topk)

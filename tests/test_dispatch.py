@@ -15,6 +15,7 @@ from helpers import (
     random_inputs,
     routing,
     run_dispatch,
+    specified,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -31,20 +32,33 @@ CASES = [
 ]
 
 
-def _check_padding(d: jax_ep.Dispatched, layout: str) -> None:
-    """Rows that hold no slot are zero with weight 0 (checked without the reference)."""
+def _check_padding(d: jax_ep.Dispatched, layout: str, alignment: int) -> None:
+    """What SPEC v2 says of rows that hold no slot, checked without the reference.
+
+    Ragged: rows past ``sum(group_sizes)`` have weight 0 (their ``x`` is unspecified and not checked);
+    inside each segment the slots come first, then fewer than ``expert_alignment`` padding rows, which
+    are zero with weight 0. Expert: rows past ``group_sizes[j]`` of ``x[j]`` are zero with weight 0.
+    Kept rows hold real slots (the inputs' weights are positive).
+    """
     for rank in range(d.x.shape[0]):
         sizes = d.group_sizes[rank]
         if layout == "ragged":
             used = int(sizes.sum())
             assert used <= d.x.shape[1]
-            assert not np.any(d.x[rank, used:].astype(np.float32))
             assert not np.any(d.weights[rank, used:])
+            start = 0
+            for size in sizes:
+                w = d.weights[rank, start : start + size]
+                slots = int(np.count_nonzero(w))
+                assert np.all(w[:slots] > 0), "a segment holds its slots first, then padding"
+                assert not np.any(w[slots:]) and not np.any(d.x[rank, start + slots : start + size].astype(np.float32))
+                if start + size < d.x.shape[1]:  # a segment that was not truncated by the capacity
+                    assert size - slots < alignment and size % alignment == 0
+                start += size
         else:
             for j, size in enumerate(sizes):
                 assert not np.any(d.x[rank, j, size:].astype(np.float32))
                 assert not np.any(d.weights[rank, j, size:])
-                # Kept rows hold real tokens (the inputs have no zeros).
                 assert np.all(d.weights[rank, j, :size] > 0)
 
 
@@ -75,7 +89,7 @@ def test_dispatch_matches_reference(num_ranks, layout, kind, capacity, alignment
     assert got.weights.shape == shape[:-1] and got.weights.dtype == np.float32
     assert got.group_sizes.shape == (num_ranks, local) and got.group_sizes.dtype == np.int32
     assert got.num_dropped.dtype == np.int32 and got.num_invalid.dtype == np.int32
-    _check_padding(got, layout)
+    _check_padding(got, layout, alignment)
     if layout == "ragged":
         untruncated = got.group_sizes.sum(axis=1) < cap
         assert np.all(got.group_sizes[untruncated] % alignment == 0)
@@ -142,7 +156,9 @@ def test_dispatch_golden(key):
     for rank, (rows, sizes, dropped) in enumerate(GOLDEN[key]):
         want_x = np.stack([np.zeros(2, np.float32) if s is None else x[s[0], s[1]] for s in rows])
         want_w = np.array([0.0 if s is None else weights[s] for s in rows], np.float32)
-        assert_bits_equal(got.x[rank].reshape(-1, 2), want_x, err_msg=f"x of rank {rank}")
+        # Ragged rows past sum(group_sizes) are unspecified; alignment padding before them is zero.
+        used = sum(sizes) if layout == "ragged" else len(rows)
+        assert_bits_equal(got.x[rank].reshape(-1, 2)[:used], want_x[:used], err_msg=f"x of rank {rank}")
         assert_bits_equal(got.weights[rank].reshape(-1), want_w, err_msg=f"weights of rank {rank}")
         np.testing.assert_array_equal(got.group_sizes[rank], sizes)
         assert got.num_dropped[rank] == dropped
@@ -159,8 +175,10 @@ def test_only_unused_and_invalid_slots(layout):
     idx[0, 0] = [E, -(2**31), 2**31 - 1]
     got = run_dispatch(x, idx, weights, num_experts=E, layout=layout, expert_alignment=3)
     assert_dispatch_equal(got, reference.dispatch(x, idx, weights, num_experts=E, layout=layout, expert_alignment=3))
-    assert not np.any(got.x) and not np.any(got.weights)
     np.testing.assert_array_equal(got.group_sizes, 0)
+    assert not np.any(got.weights)
+    if layout == "expert":  # ragged: every row is past sum(group_sizes) = 0, so x is unspecified
+        assert not np.any(got.x)
     np.testing.assert_array_equal(got.num_dropped, 0)
     np.testing.assert_array_equal(got.num_invalid, np.sum(idx != -1, axis=(1, 2)))
     assert got.num_invalid.sum() > 0
@@ -231,5 +249,27 @@ def test_undelivered_values_are_never_read(layout):
 
     got, out = jax.tree.map(np.asarray, ep_jit(body, num_ranks)(x, idx, weights))
     assert_dispatch_equal(got, ref)
-    assert np.all(np.isfinite(got.x)) and np.all(np.isfinite(got.weights)) and np.all(np.isfinite(out))
+    rows = specified(got.x, got.group_sizes)  # the ragged tail is unspecified
+    assert np.all(np.isfinite(rows)) and np.all(np.isfinite(got.weights)) and np.all(np.isfinite(out))
     np.testing.assert_array_equal(out[:, 2], 0)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_handle_slot_dest_keeps_dropped_slots_rank(layout):
+    """Handle.slot_dest [T, K]: the destination rank of every valid slot, dropped ones included; -1 otherwise."""
+    num_ranks = 4
+    rng = np.random.default_rng([23, len(layout)])
+    x, weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = routing(rng, "invalid", num_ranks, T, K, E)
+    ref = reference.dispatch(x, idx, weights, num_experts=E, layout=layout, capacity=3)
+    assert ref.dropped
+
+    call = ep_jit(
+        lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, layout=layout, capacity=3).handle,
+        num_ranks,
+    )
+    slot_dest = np.asarray(call(x, idx, weights).slot_dest)
+    valid = (idx >= 0) & (idx < E)
+    want = np.where(valid, idx // (E // num_ranks), -1).astype(np.int32)
+    assert_bits_equal(slot_dest, want)
+    assert all(slot_dest[slot] >= 0 for slot in ref.dropped)

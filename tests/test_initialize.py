@@ -1,10 +1,13 @@
 """jax_ep.initialize checks its arguments before touching any GPU (runs on CPU)."""
 
+import math
+
 import jax.numpy as jnp
 import pytest
 from conftest import cpu_mesh
 
 import jax_ep
+from jax_ep import _group
 
 SIZES = dict(num_tokens=16, hidden=8, topk=2, num_experts=8)
 
@@ -39,14 +42,40 @@ def test_num_sms_must_be_a_positive_int():
         jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, num_sms=1.5)
 
 
-def test_buffer_size_hint_covers_every_transfer():
-    hint = jax_ep.buffer_size_hint(num_ranks=2, num_tokens=16, hidden=8, topk=2, num_experts=8, dtype=jnp.bfloat16)
-    # float32 combine partial sums dominate: R * T * H * 4 bytes
-    assert hint == 2 * 16 * 8 * 4
-    wide_topk = jax_ep.buffer_size_hint(num_ranks=2, num_tokens=16, hidden=1, topk=8, num_experts=8)
-    assert wide_topk == 2 * 16 * 2 * 8 * 4  # routing metadata: K rows and K weights per token
-    many_experts = jax_ep.buffer_size_hint(num_ranks=2, num_tokens=1, hidden=1, topk=1, num_experts=1024)
-    assert many_experts == 2 * 1024 * 4  # every rank's per-expert counts
+def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize):
+    """docs/api.md: ``2 * R * (16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``."""
+    local = max(num_experts // num_ranks, 1)
+    ceil16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    return (
+        2
+        * num_ranks
+        * (16 * math.ceil((local + 1) / 4) + ceil16(num_tokens * topk * 12) + num_tokens * ceil16(hidden * itemsize))
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_tokens", "hidden", "topk", "num_experts", "dtype"),
+    [
+        (2, 16, 8, 2, 8, jnp.bfloat16),
+        (2, 16, 1, 8, 8, jnp.float32),  # routing metadata dominates
+        (2, 1, 1, 1, 1024, jnp.float32),  # every expert's count
+        (8, 4096, 7168, 8, 256, jnp.bfloat16),
+        (3, 5, 7, 3, 3, jnp.float16),  # nothing a multiple of 16
+        (4, 2, 3, 1, 2, jnp.float32),  # fewer experts than ranks: L counts as 1
+    ],
+)
+def test_buffer_size_hint_is_the_documented_formula(num_ranks, num_tokens, hidden, topk, num_experts, dtype):
+    sizes = dict(num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
+    hint = jax_ep.buffer_size_hint(**sizes, dtype=dtype)
+    assert hint == _documented_hint(**sizes, itemsize=jnp.dtype(dtype).itemsize)
+    assert hint == jax_ep.buffer_size_hint(**sizes, dtype=jnp.dtype(dtype))  # a dtype object or a type alike
+
+
+def test_buffer_size_hint_default_dtype_is_float32_and_covers_float32_partials():
+    """The default dtype is float32: room for combine's float32 partial sums of bf16 tokens."""
+    sizes = dict(num_ranks=2, num_tokens=16, hidden=8, topk=2, num_experts=8)
+    assert jax_ep.buffer_size_hint(**sizes) == jax_ep.buffer_size_hint(**sizes, dtype=jnp.float32)
+    assert jax_ep.buffer_size_hint(**sizes) > jax_ep.buffer_size_hint(**sizes, dtype=jnp.bfloat16)
 
 
 def test_transport_must_be_known():
@@ -55,5 +84,15 @@ def test_transport_must_be_known():
 
 
 def test_no_nccl_ranks_before_initialize():
+    """Without a group (finalize releases every one) no GPU reaches any rank through NCCL."""
     jax_ep.finalize()
     assert jax_ep.nccl_ranks() == {}
+    assert jax_ep.nccl_ranks("ep") == {}
+    assert _group.group_for("ep") is None
+
+
+def test_a_refused_initialize_creates_no_group():
+    """initialize that fails its checks leaves no group behind for the axis."""
+    with pytest.raises(ValueError):
+        jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES)
+    assert _group.group_for("ep") is None and jax_ep.nccl_ranks() == {}

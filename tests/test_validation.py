@@ -290,3 +290,31 @@ def test_combine_weights_integer_dtype():
 def test_combine_handle_not_a_handle(handle, type_name):
     with pytest.raises(TypeError, match=mentions("handle", "Handle", type_name)):
         trace_combine("ragged", (C_RAGGED, H), handle=handle)
+
+
+@pytest.mark.parametrize(
+    ("partial_dtype", "shown"),
+    [(jnp.int32, "int32"), ("foo", "foo"), (jnp.bool_, "bool"), (np.uint8, "uint8")],
+    ids=["int32", "foo", "bool", "uint8"],
+)
+def test_combine_partial_dtype_not_floating(partial_dtype, shown):
+    """partial_dtype must name a floating dtype: TypeError naming the argument, "float" and what was given."""
+
+    def fn(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+        return jax_ep.combine(d.x, d.handle, partial_dtype=partial_dtype)
+
+    with pytest.raises(TypeError, match=mentions("partial_dtype", shown) + FLOATING):
+        trace(fn, GOOD["x"], GOOD["topk_idx"], GOOD["topk_weights"])
+
+
+@pytest.mark.parametrize("partial_dtype", [None, jnp.float32, jnp.bfloat16, "float16", np.dtype(np.float32)])
+def test_combine_partial_dtype_floating_traces(partial_dtype):
+    """None and any floating dtype (type, name or dtype object) are accepted; the output keeps y's dtype."""
+
+    def fn(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+        return jax_ep.combine(d.x.astype(jnp.float16), d.handle, partial_dtype=partial_dtype)
+
+    out = trace(fn, GOOD["x"], GOOD["topk_idx"], GOOD["topk_weights"])
+    assert out.shape == (R * T, H) and out.dtype == jnp.float16

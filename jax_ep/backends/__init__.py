@@ -4,7 +4,7 @@
 * ``combine(handle, rows, weights, partial_dtype, row_values=None) -> (out [T, H], slot values [T, K] or None)``:
   the forward combine, and the backward pass of dispatch (with ``row_values``, the weights' cotangent).
 * ``redispatch(handle, x [T, H]) -> rows [N, H]``: token rows along the routing of ``handle`` (the backward pass
-  of combine), zero on rows that hold no slot except in the ragged tail, which is unspecified.
+  of combine); rows that hold no slot are unspecified (the caller masks them with ``handle.row_slot``).
 
 ``jax_ep._api`` calls only these; each backend owns its fusions and fallbacks.
 """

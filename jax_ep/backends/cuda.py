@@ -42,6 +42,8 @@ def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int)
         )
     if topk > _group.MAX_TOPK:
         return None, f"topk must be at most {_group.MAX_TOPK} for backend 'cuda', got {topk}"
+    if num_experts > _group.MAX_EXPERTS:
+        return None, f"num_experts must be at most {_group.MAX_EXPERTS} for backend 'cuda', got {num_experts}"
     return group.id, ""
 
 
@@ -106,25 +108,15 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
 
 
 def redispatch(handle: Handle, x: jax.Array) -> jax.Array:
-    """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]`` (one FFI call)."""
+    """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]`` (one FFI call).
+
+    Only rows that hold a slot are written; the caller masks the others.
+    """
     _check_dtype("cotangents", x)
     config = handle.config
     result = _result(x, (config.num_rows, x.shape[1]), x.dtype)
     h = handle
-    return _call(
-        "jax_ep_dispatch_rows",
-        result,
-        x,
-        h.token_dest_pos,
-        h.recv_rows,
-        h.recv_counts,
-        h.row_slot,
-        config=config,
-        expert_layout=config.layout == "expert",
-        capacity=config.capacity,
-        alignment=config.expert_alignment,
-        local_experts=config.local_experts,
-    )
+    return _call("jax_ep_dispatch_rows", result, x, h.token_dest_pos, h.recv_rows, h.recv_counts, config=config)
 
 
 def combine(

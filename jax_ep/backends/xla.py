@@ -53,7 +53,7 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     send_meta = jnp.concatenate([send_rows, jax.lax.bitcast_convert_type(send_weights, jnp.int32)], axis=-1)
     recv_meta = _exchange(send_meta, config)
     recv_counts = _exchange(send_counts, config)
-    sent = (jnp.arange(num_tokens)[None, :] < recv_counts[:, None])[..., None]
+    sent = (jnp.arange(num_tokens, dtype=jnp.int32)[None, :] < recv_counts[:, None])[..., None]
     recv_rows = jnp.where(sent, recv_meta[..., :topk], -1)
     recv_weights = jnp.where(sent, jax.lax.bitcast_convert_type(recv_meta[..., topk:], jnp.float32), 0.0).reshape(-1)
 
@@ -135,6 +135,6 @@ def combine(
     back_values = _exchange(per_slot, config)  # [R, T, K]
     dest = handle.slot_dest
     dest_pos = jnp.take_along_axis(pos, jnp.maximum(dest, 0), axis=1)
-    topk = jnp.arange(config.topk)[None, :]
+    topk = jnp.arange(config.topk, dtype=jnp.int32)[None, :]
     values = jnp.where(dest >= 0, back_values[jnp.maximum(dest, 0), jnp.maximum(dest_pos, 0), topk], 0.0)
     return out, values

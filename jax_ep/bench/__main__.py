@@ -20,6 +20,7 @@ n is --iters, raised once when the n calls take under 20 ms. XLA still launches 
 host (the FFI calls are not marked command-buffer compatible), so where launching takes longer than running them
 (small shapes), these times are launch-bound.
 GB/s counts the remote bytes: deduplicated (token, remote rank) pairs x H x 2.
+This module is the command line; the measuring tools are in jax_ep.bench.timing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 RAGGED_FLAG = "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel"
@@ -47,131 +47,21 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the ragged children share the GPUs with us
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
-from jax_ep import _backends, _cuda  # noqa: E402
-from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip  # noqa: E402
+from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all  # noqa: E402
 from jax_ep.bench.record import provenance, write  # noqa: E402
-
-TOPK, EXPERTS = 8, 256
-_START = time.perf_counter()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", flush=True)
-
-
-def _wall(fn, args) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def seconds_per_call(step, args, iters: int, adaptive: bool = True) -> float:
-    """Device seconds of one ``step(i, *args)`` (returns a float32 scalar), from jitted loops.
-
-    Trip counts are static, so XLA runs the loop without reading its condition back to the host each
-    iteration. If ``iters`` extra calls take under 20 ms, the count is raised once to take about 25 ms,
-    which keeps host timer noise near 1% (unless not ``adaptive``: processes that run one program together
-    must not pick their counts apart).
-    """
-
-    def looped(count):
-        def body(*args):
-            zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("ep",), to="varying")
-            total = jax.lax.fori_loop(0, count, lambda i, acc: acc + step(i, *args), zero)
-            return total[None]
-
-        return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
-
-    once = _wall(looped(1), args)
-    extra = _wall(looped(1 + iters), args) - once
-    if adaptive and extra < 0.02:
-        iters = int(min(20_000, iters * 0.025 / max(extra, 1e-5)))
-        extra = _wall(looped(1 + iters), args) - once
-    return extra / iters
-
-
-def make_inputs(ranks: int, tokens: int, hidden: int, seed: int = 0):
-    """Uniform random top-k routing (distinct experts per token), bf16 tokens, and the remote bytes per rank."""
-    rng = np.random.default_rng(seed)
-    idx = np.argsort(rng.random((ranks * tokens, EXPERTS)), axis=1)[:, :TOPK].astype(np.int32)
-    x = jnp.asarray(rng.standard_normal((ranks * tokens, hidden)), jnp.bfloat16)
-    w = jnp.asarray(rng.random((ranks * tokens, TOPK)), jnp.float32)
-    source = np.repeat(np.arange(ranks), tokens)
-    local = EXPERTS // ranks
-    pairs = [(np.any(idx // local == d, axis=1) & (source != d)).sum() for d in range(ranks)]
-    return x, idx, w, int(max(pairs)) * hidden * 2
-
-
-def time_backend(backend, x, idx, w, *, layout="ragged", capacity=None, detail=False, iters=20, adaptive=True) -> dict:
-    """Device µs of dispatch and combine (and, with detail, the routing part and the layout step)."""
-    ranks = jax.sharding.get_abstract_mesh().shape["ep"]
-    t = x.shape[0] // ranks
-    kw = dict(num_experts=EXPERTS, axis_name="ep", layout=layout, capacity=capacity, backend=backend)
-
-    def dispatch(i, x, idx, w):
-        return jax_ep.dispatch(x, (idx + i) % EXPERTS, w, **kw)
-
-    def dispatch_step(i, x, idx, w):
-        d = dispatch(i, x, idx, w)
-        flat = d.x.reshape(-1, d.x.shape[-1])
-        row = i % flat.shape[0]
-        return jnp.sum(flat[row].astype(jnp.float32)) + d.weights.reshape(-1)[row]
-
-    def made(x, idx, w):
-        d = dispatch(0, x, idx, w)
-        return d.x, d.weights, d.handle
-
-    y, y_weights, handle = jax.jit(jax.shard_map(made, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
-
-    def combine_step(i, y, handle, weights):
-        out = jax_ep.combine(y, handle, weights=weights * (1.0 + i.astype(jnp.float32) * 0.0))
-        return jnp.sum(out[i % t].astype(jnp.float32))
-
-    steps = [("dispatch_us", dispatch_step, (x, idx, w)), ("combine_us", combine_step, (y, handle, y_weights))]
-    if detail:
-
-        def routing_step(i, x, idx, w):  # d.x is dead code: routing and weights only
-            return dispatch(i, x, idx, w).weights.reshape(-1)[i]
-
-        def layout_step(i, idx):
-            layout = _backends.module(backend).local_layout((idx + i) % EXPERTS, EXPERTS, ranks)
-            return layout.slot_rank[i % t, 0].astype(jnp.float32)
-
-        steps += [("routing_only_us", routing_step, (x, idx, w)), ("local_layout_us", layout_step, (idx,))]
-    return {name: seconds_per_call(step, args, iters, adaptive) * 1e6 for name, step, args in steps}
-
-
-def with_rates(result: dict, remote_bytes: int, copy_us: float) -> dict:
-    """Adds GB/s of remote bytes and the share of the peer copy's bandwidth to dispatch and combine timings."""
-    for op in ("dispatch", "combine"):
-        us = result[f"{op}_us"]
-        result[f"{op}_gbps"] = remote_bytes / us / 1e3
-        result[f"{op}_pct_of_copy"] = 100 * copy_us / us
-    return result
-
-
-def time_ragged(x, idx, w, *, exchange, iters=20) -> dict:
-    """Device µs of the ragged_all_to_all round trip (dispatch + combine), checked against the exact result."""
-
-    def roundtrip(i, x, idx, w):
-        out = ragged_roundtrip(x, (idx + i) % EXPERTS, w, num_experts=EXPERTS, axis_name="ep", exchange=exchange)
-        return out, jnp.sum(out[i % out.shape[0]])
-
-    once = jax.jit(jax.shard_map(lambda x, idx, w: roundtrip(0, x, idx, w)[0], in_specs=P("ep"), out_specs=P("ep")))
-    got = np.asarray(once(x, idx, w))
-    want = np.asarray(w).sum(1, keepdims=True) * np.asarray(x.astype(jnp.float32))
-    error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    us = seconds_per_call(lambda i, x, idx, w: roundtrip(i, x, idx, w)[1], (x, idx, w), iters) * 1e6
-    return {"roundtrip_us": us, "max_relative_error": error, "correct": error < 1e-2}
+from jax_ep.bench.timing import (  # noqa: E402
+    EXPERTS,
+    TOPK,
+    copy_seconds,
+    make_inputs,
+    progress,
+    time_backend,
+    time_ragged,
+    transport_facts,
+    with_rates,
+)
 
 
 def ragged_in_children(args, tokens_list, hidden) -> dict:
@@ -216,15 +106,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def transport_facts(transport: str) -> dict:
-    """How rows traveled: jax_ep's transport, each GPU's NCCL ranks, and NCCL's P2P switch."""
-    return {
-        "transport": transport,
-        "nccl_ranks": {str(device): list(ranks) for device, ranks in jax_ep.nccl_ranks().items()},
-        "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", ""),
-    }
-
-
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
@@ -260,13 +141,13 @@ def main() -> None:
     cuda_sizes = dict(
         num_tokens=max_tokens, hidden=max_hidden, topk=TOPK, num_experts=EXPERTS, transport=args.transport
     )
-    all_sms = jax_ep.initialize(mesh, "ep", **cuda_sizes) if "cuda" in backends else None
+    all_sms = jax_ep.initialize(mesh, "ep", **cuda_sizes).num_sms if "cuda" in backends else None
 
     def peer_copy_us(nbytes: int) -> float:
-        if args.platform != "gpu":
+        if args.platform != "gpu" or ranks < 2:  # one GPU: no peer to copy to (bench/one_gpu_targets.py)
             return float("nan")
         ids = (devices[0].local_hardware_id, devices[1].local_hardware_id)
-        return _cuda._extension.peer_copy_seconds(*ids, nbytes, args.iters) * 1e6
+        return copy_seconds(*ids, nbytes, args.iters) * 1e6
 
     payload = {
         **provenance("python -m jax_ep.bench " + " ".join(sys.argv[1:])),
@@ -292,7 +173,7 @@ def main() -> None:
             training = {"tokens": args.tokens, "hidden": args.hidden, "remote_bytes_per_rank": remote}
             training["peer_copy_us"] = copy_us
             for backend in backends:
-                timings = time_backend(backend, x, idx, w, detail=True, iters=args.iters)
+                timings = time_backend(backend, x, idx, w, iters=args.iters)
                 training[backend] = with_rates(timings, remote, copy_us)
                 progress(f"  {backend}: {training[backend]}")
             payload["training"] = training
@@ -300,7 +181,7 @@ def main() -> None:
             progress(f"SM budget at the training shape, of {all_sms} SMs per GPU")
             budgets = []
             for num_sms in [*ints(args.sms), all_sms]:
-                used = jax_ep.initialize(mesh, "ep", **cuda_sizes, num_sms=num_sms)
+                used = jax_ep.initialize(mesh, "ep", **cuda_sizes, num_sms=num_sms).num_sms
                 timings = with_rates(time_backend("cuda", x, idx, w, iters=args.iters), remote, copy_us)
                 budgets.append({"num_sms": used, "sms_left_for_compute": all_sms - used, **timings})
                 progress(f"  num_sms={used}: {budgets[-1]}")

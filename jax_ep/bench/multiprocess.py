@@ -89,15 +89,23 @@ def work(args: argparse.Namespace) -> None:
         local_device_ids=[process_id] if on_gpu else None,
     )
     import jax_ep
-    from jax_ep import _cuda
-    from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, progress, time_backend, transport_facts, with_rates
     from jax_ep.bench.record import provenance
+    from jax_ep.bench.timing import (
+        EXPERTS,
+        TOPK,
+        copy_seconds,
+        make_inputs,
+        progress,
+        time_backend,
+        transport_facts,
+        with_rates,
+    )
 
     ranks = args.processes
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     sizes = dict(num_tokens=args.tokens, hidden=args.hidden, topk=TOPK, num_experts=EXPERTS)
     backends = args.backends.split(",")
-    sms = jax_ep.initialize(mesh, "ep", **sizes, transport=args.transport) if "cuda" in backends else None
+    group = jax_ep.initialize(mesh, "ep", **sizes, transport=args.transport) if "cuda" in backends else None
     *arrays, remote = make_inputs(ranks, args.tokens, args.hidden)  # the same in every process (fixed seed)
     sharding = NamedSharding(mesh, P("ep"))
     x, idx, w = (
@@ -107,12 +115,12 @@ def work(args: argparse.Namespace) -> None:
     # GPUs 0 and 1 are visible to every worker (local_device_ids only picks JAX's device).
     copy_us = float("nan")
     if on_gpu and process_id == 0:
-        copy_us = _cuda._extension.peer_copy_seconds(0, 1, remote, 20) * 1e6
+        copy_us = copy_seconds(0, 1, remote, 20) * 1e6
     result = {
         **provenance("python -m jax_ep.bench.multiprocess"),
         "processes": ranks,
         "ranks": ranks,
-        "cuda_kernel_sms": sms,
+        "cuda_kernel_sms": None if group is None else group.num_sms,
         **transport_facts(args.transport),
         "tokens": args.tokens,
         "hidden": args.hidden,
@@ -130,8 +138,8 @@ def work(args: argparse.Namespace) -> None:
     if process_id == 0:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}", flush=True)
-    if sms is not None:
-        jax_ep.finalize()
+    if group is not None:
+        group.finalize()
     jax.distributed.shutdown()
 
 

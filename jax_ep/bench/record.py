@@ -26,7 +26,7 @@ def provenance(command: str) -> dict:
     """Who and what produced a result: the exact command, git commit, devices and library versions."""
     import jax
 
-    from jax_ep import _group as _cuda
+    from jax_ep import _group
 
     info = {
         "command": os.environ.get("JAX_EP_COMMAND") or command,
@@ -34,11 +34,11 @@ def provenance(command: str) -> dict:
         "devices": _nvidia_smi() or [str(d) for d in jax.devices()],
         "jax": jax.__version__,
         "python": sys.version.split()[0],
-        "cuda_extension": _cuda.available(),
+        "cuda_extension": _group.available(),
     }
-    if _cuda.available():
-        info["nccl"] = _cuda.nccl_version()
-        info["cuda_runtime"], info["cuda_driver"] = _cuda.cuda_versions()
+    if _group.available():
+        info["nccl"] = _group.nccl_version()
+        info["cuda_runtime"], info["cuda_driver"] = _group.cuda_versions()
     return info
 
 

@@ -1,17 +1,19 @@
-// The Python extension jax_ep._jax_ep_cuda: FFI handler capsules, state types, resources and NCCL facts.
+// The Python extension jax_ep._jax_ep_cuda: FFI handler capsules, the state type, the groups' set-up steps, and
+// facts about CUDA and NCCL. Library errors (Status) become Python exceptions here.
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "../runtime/group.h"
 #include "handlers.h"
-#include "resources.h"
 
 namespace nb = nanobind;
 
@@ -19,14 +21,16 @@ namespace {
 
 nb::capsule Capsule(void* pointer) { return nb::capsule(pointer); }
 
-void ThrowIfError(const std::string& error) {
-  if (!error.empty()) throw std::runtime_error(error);
+void ThrowIfError(const jax_ep::Status& status) {
+  if (status.ok()) return;
+  if (status.code == jax_ep::StatusCode::kInvalidArgument) throw nb::value_error(status.message.c_str());
+  throw std::runtime_error(status.message);
 }
 
-std::shared_ptr<jax_ep::Resources> Pending() {
-  std::shared_ptr<jax_ep::Resources> pending = jax_ep::PendingResources();
-  if (!pending) throw std::runtime_error("jax_ep: initialize steps out of order (no begin)");
-  return pending;
+std::shared_ptr<jax_ep::Group> Group(int64_t id) {
+  std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id);
+  if (!group) throw std::runtime_error("jax_ep: no group with id " + std::to_string(id));
+  return group;
 }
 
 void Check(cudaError_t status, const char* what) {
@@ -74,15 +78,14 @@ double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
 NB_MODULE(_jax_ep_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    targets["jax_ep_routing_layout"] = Capsule(reinterpret_cast<void*>(JaxEpRoutingLayout));
-    const std::pair<const char*, void*> transfers[] = {
-        {"jax_ep_exchange", reinterpret_cast<void*>(JaxEpExchangeExecute)},
-        {"jax_ep_tokens_to_rows", reinterpret_cast<void*>(JaxEpTokensToRowsExecute)},
-        {"jax_ep_rows_to_tokens", reinterpret_cast<void*>(JaxEpRowsToTokensExecute)},
+    const std::pair<const char*, void*> calls[] = {
+        {"jax_ep_dispatch", reinterpret_cast<void*>(JaxEpDispatch)},
+        {"jax_ep_dispatch_rows", reinterpret_cast<void*>(JaxEpDispatchRows)},
+        {"jax_ep_combine", reinterpret_cast<void*>(JaxEpCombine)},
     };
-    for (const auto& [name, execute] : transfers) {
+    for (const auto& [name, execute] : calls) {
       nb::dict stages;
-      stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpTransportInstantiate));
+      stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpInstantiate));
       stages["execute"] = Capsule(execute);
       targets[name] = stages;
     }
@@ -91,30 +94,38 @@ NB_MODULE(_jax_ep_cuda, m) {
   m.def("type_registrations", []() {
     nb::dict types;
     nb::dict state;
-    state["type_id"] = Capsule(reinterpret_cast<void*>(JaxEpTransportStateTypeId()));
-    state["type_info"] = Capsule(const_cast<void*>(static_cast<const void*>(JaxEpTransportStateTypeInfo())));
-    types["jax_ep_transport_state"] = state;
+    state["type_id"] = Capsule(reinterpret_cast<void*>(JaxEpGroupStateTypeId()));
+    state["type_info"] = Capsule(const_cast<void*>(static_cast<const void*>(JaxEpGroupStateTypeInfo())));
+    types["jax_ep_group_state"] = state;
     return types;
   });
-  // jax_ep.initialize, step by step (jax_ep/_cuda.py swaps IPC handles between processes in between).
-  m.def("begin", []() { jax_ep::BeginResources(); });
+  m.def(
+      "routing_scratch_ints",
+      [](int64_t num_ranks, int64_t num_tokens, int64_t topk, int64_t num_experts) {
+        return jax_ep::RoutingScratch(num_tokens, topk, num_experts, num_ranks).ints;
+      },
+      nb::arg("num_ranks"), nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"));
+  // jax_ep.initialize, step by step (jax_ep/_group.py swaps IPC handles between processes in between).
+  m.def("begin", [](int64_t id) { jax_ep::AddGroup(id); }, nb::arg("group"));
   m.def(
       "allocate",
-      [](int ordinal, int rank, int num_ranks, size_t capacity_bytes, int num_sms) {
-        ThrowIfError(Pending()->Allocate(ordinal, rank, num_ranks, capacity_bytes, num_sms));
+      [](int64_t id, int ordinal, int rank, int num_ranks, int64_t staging_bytes, int64_t scratch_ints, int num_sms,
+         double timeout_s) {
+        ThrowIfError(Group(id)->Allocate(ordinal, rank, num_ranks, staging_bytes, scratch_ints, num_sms, timeout_s));
       },
-      nb::arg("ordinal"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("capacity_bytes"), nb::arg("num_sms"));
+      nb::arg("group"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("staging_bytes"),
+      nb::arg("scratch_ints"), nb::arg("num_sms"), nb::arg("timeout_s"));
   m.def(
       "export_handles",
-      [](int ordinal) {
+      [](int64_t id, int ordinal) {
         std::string handles;
-        ThrowIfError(Pending()->ExportHandles(ordinal, &handles));
+        ThrowIfError(Group(id)->ExportHandles(ordinal, &handles));
         return nb::bytes(handles.data(), handles.size());
       },
-      nb::arg("ordinal"));
+      nb::arg("group"), nb::arg("ordinal"));
   m.def(
       "connect",
-      [](int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles,
+      [](int64_t id, int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles,
          const std::vector<bool>& by_nccl) {
         std::vector<jax_ep::RankAddress> ranks(ordinals.size());
         for (size_t r = 0; r < ranks.size(); ++r) {
@@ -122,9 +133,9 @@ NB_MODULE(_jax_ep_cuda, m) {
           if (r < handles.size()) ranks[r].ipc_handles.assign(handles[r].c_str(), handles[r].size());
           ranks[r].nccl = r < by_nccl.size() && by_nccl[r];
         }
-        ThrowIfError(Pending()->Connect(ordinal, ranks));
+        ThrowIfError(Group(id)->Connect(ordinal, ranks));
       },
-      nb::arg("ordinal"), nb::arg("ordinals"), nb::arg("handles"), nb::arg("by_nccl"));
+      nb::arg("group"), nb::arg("ordinal"), nb::arg("ordinals"), nb::arg("handles"), nb::arg("by_nccl"));
   m.def("nccl_unique_id", []() {
     ncclUniqueId id;
     const ncclResult_t result = ncclGetUniqueId(&id);
@@ -136,13 +147,14 @@ NB_MODULE(_jax_ep_cuda, m) {
   });
   m.def(
       "connect_nccl",
-      [](const std::vector<int>& ordinals, const std::vector<nb::bytes>& unique_ids, int64_t timeout_ms) {
+      [](int64_t id, const std::vector<int>& ordinals, const std::vector<nb::bytes>& unique_ids, int64_t timeout_ms) {
         std::vector<std::string> ids;
-        for (const nb::bytes& id : unique_ids) ids.emplace_back(id.c_str(), id.size());
+        for (const nb::bytes& unique_id : unique_ids) ids.emplace_back(unique_id.c_str(), unique_id.size());
+        std::shared_ptr<jax_ep::Group> group = Group(id);
         nb::gil_scoped_release release;  // ncclCommInitRank waits for the other processes
-        ThrowIfError(Pending()->ConnectNccl(ordinals, ids, timeout_ms));
+        ThrowIfError(group->ConnectNccl(ordinals, ids, timeout_ms));
       },
-      nb::arg("ordinals"), nb::arg("unique_ids"), nb::arg("timeout_ms"));
+      nb::arg("group"), nb::arg("ordinals"), nb::arg("unique_ids"), nb::arg("timeout_ms"));
   m.def(
       "can_access_peer",
       [](int ordinal, int peer) {
@@ -151,13 +163,35 @@ NB_MODULE(_jax_ep_cuda, m) {
         return can_access != 0;
       },
       nb::arg("ordinal"), nb::arg("peer"));
-  m.def("commit", []() {
-    const int sms = Pending()->MinSms();
-    jax_ep::CommitResources();
-    return sms;
-  });
-  m.def("close_peer_mappings", &jax_ep::CloseCurrentPeerMappings);
-  m.def("finalize", &jax_ep::ReleaseResources);
+  m.def(
+      "commit",
+      [](int64_t id) {
+        std::shared_ptr<jax_ep::Group> group = Group(id);
+        group->Commit();
+        return group->MinSms();
+      },
+      nb::arg("group"));
+  m.def(
+      "close_peer_mappings",
+      [](int64_t id) {
+        if (std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id)) group->ClosePeerMappings();
+      },
+      nb::arg("group"));
+  m.def("release", &jax_ep::DropGroup, nb::arg("group"));
+  m.def(
+      "group_error",
+      [](int64_t id) {
+        std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id);
+        return group ? group->Failure() : std::string();
+      },
+      nb::arg("group"));
+  m.def(
+      "group_launches",
+      [](int64_t id) {
+        std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id);
+        return group ? group->launches() : int64_t{0};
+      },
+      nb::arg("group"));
   m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
   m.def("cuda_versions", []() {
     int runtime = 0, driver = 0;

@@ -1,0 +1,322 @@
+// The combine kernel: on the expert side, each token received from a peer gets its delivered rows summed in
+// float32 in ascending row order, rounded to the partial type and stored once into the peer's staging half;
+// then each source adds, for every token, the partial sums of all ranks in ascending rank order (its own
+// computed on the spot from y) and rounds once to y's type. With row values (the backward pass of dispatch),
+// each slot's value travels back with its token.
+#include <algorithm>
+
+#include "launch.h"
+#include "protocol.cuh"
+#include "rows.cuh"
+
+namespace jax_ep {
+
+int64_t CombineHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t partial_row_bytes) {
+  return num_ranks * CombineRegion(num_tokens, topk, partial_row_bytes).bytes;
+}
+
+namespace {
+
+struct CombineParams {
+  const void* y;
+  const float* weights;
+  const float* row_values;
+  const int32_t* axis_index;
+  const int32_t *recv_rows, *recv_counts, *token_dest_pos, *slot_dest;
+  int64_t num_tokens, hidden, topk;
+  int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
+  void* out;
+  float* slot_values;
+  CombineRegion region;
+  int send_pieces, recv_pieces;
+  bool do_send, do_receive;
+};
+
+template <typename T>
+constexpr int Wide() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece.
+__host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
+  return (hidden + 32 * width - 1) / (32 * width);
+}
+__device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin, int64_t* end) {
+  const int32_t steps = static_cast<int32_t>(SumSteps(hidden, width));
+  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
+  *begin = first * 32 * width;
+  *end = std::min<int64_t>(last * 32 * width, hidden);
+}
+
+// One warp: a token's delivered rows (rows_by_k[k], -1 for none) in ascending order with their weights, into
+// the warp's shared arrays. Returns how many there are.
+__device__ int SortedRows(const int32_t* rows_by_k, int64_t topk, const float* weights, int32_t* rows, float* w,
+                          int lane) {
+  const int32_t a = lane < topk ? rows_by_k[lane] : -1;
+  const int32_t b = lane + 32 < topk ? rows_by_k[lane + 32] : -1;
+  int below_a = 0, below_b = 0;
+  const int first_half = topk < 32 ? static_cast<int>(topk) : 32;
+  for (int j = 0; j < first_half; ++j) {
+    const int32_t other = __shfl_sync(0xffffffffu, a, j);
+    below_a += other >= 0 && other < a;
+    below_b += other >= 0 && other < b;
+  }
+  for (int j = 0; j + 32 < topk; ++j) {
+    const int32_t other = __shfl_sync(0xffffffffu, b, j);
+    below_a += other >= 0 && other < a;
+    below_b += other >= 0 && other < b;
+  }
+  const int count = __popc(__ballot_sync(0xffffffffu, a >= 0)) + __popc(__ballot_sync(0xffffffffu, b >= 0));
+  if (a >= 0) {
+    rows[below_a] = a;
+    w[below_a] = weights == nullptr ? 1.0f : weights[a];
+  }
+  if (b >= 0) {
+    rows[below_b] = b;
+    w[below_b] = weights == nullptr ? 1.0f : weights[b];
+  }
+  __syncwarp();
+  return count;
+}
+
+// The float32 sum over the sorted rows of w * y[row][e : e + width], in row order.
+template <typename T>
+__device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* rows, const float* w, int count,
+                                  int64_t e, int width, float (&acc)[Wide<T>()]) {
+  constexpr int kWide = Wide<T>();
+#pragma unroll
+  for (int v = 0; v < kWide; ++v) acc[v] = 0.0f;
+  if (width != kWide) {
+    for (int j = 0; j < count; ++j) acc[0] += w[j] * ToFloat(y[rows[j] * hidden + e]);
+    return;
+  }
+  constexpr int kLoadsInFlight = 4;
+  for (int j0 = 0; j0 < count; j0 += kLoadsInFlight) {
+    uint4 raw[kLoadsInFlight];
+#pragma unroll
+    for (int m = 0; m < kLoadsInFlight; ++m) {
+      if (j0 + m < count) raw[m] = *reinterpret_cast<const uint4*>(y + rows[j0 + m] * hidden + e);
+    }
+#pragma unroll
+    for (int m = 0; m < kLoadsInFlight; ++m) {
+      if (j0 + m >= count) break;
+      const T* values = reinterpret_cast<const T*>(&raw[m]);
+#pragma unroll
+      for (int v = 0; v < kWide; ++v) acc[v] += w[j0 + m] * ToFloat(values[v]);
+    }
+  }
+}
+
+// `width` values of type P at dst from float32 (16-byte stores when the width fills them).
+template <typename P, int kWide>
+__device__ inline void StoreValues(P* dst, const float (&acc)[kWide], int width) {
+  if (width != kWide) {
+    dst[0] = FromFloat<P>(acc[0]);
+    return;
+  }
+  alignas(16) P packed[kWide];
+#pragma unroll
+  for (int v = 0; v < kWide; ++v) packed[v] = FromFloat<P>(acc[v]);
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
+    reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(packed)[c];
+  }
+}
+
+// ... and back: `width` staged values of type P at src (stored by a peer during this kernel) as float32.
+template <typename P, int kWide>
+__device__ inline void LoadStaged(const P* src, float (&out)[kWide], int width) {
+  if (width != kWide) {
+    if constexpr (sizeof(P) == 4) {
+      out[0] = __int_as_float(__ldcg(reinterpret_cast<const int*>(src)));
+    } else {
+      const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(src));
+      out[0] = ToFloat(*reinterpret_cast<const P*>(&bits));
+    }
+    return;
+  }
+  alignas(16) P packed[kWide];
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
+    reinterpret_cast<uint4*>(packed)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
+  }
+#pragma unroll
+  for (int v = 0; v < kWide; ++v) out[v] = ToFloat(packed[v]);
+}
+
+template <typename Y, typename P>
+__global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
+  constexpr int kWide = Wide<Y>();
+  __shared__ int32_t held_rows[kWarps][kMaxTopk];
+  __shared__ float held_weights[kWarps][kMaxTopk];
+  const Call call = CurrentCall(g, kOpCombine);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int R = g.num_ranks, me = g.rank;
+  const int64_t T = p.num_tokens, H = p.hidden, K = p.topk;
+  const Y* y = static_cast<const Y*>(p.y);
+  int32_t* rows = held_rows[warp];
+  float* weights = held_weights[warp];
+  const bool may_run = CallMayRun(g, call, p.axis_index);
+
+  if (p.do_send) {
+    if (may_run) {
+      for (int64_t item = first_warp; item < (R - 1) * T * p.send_pieces; item += warps) {
+        const UnitPiece up = SplitItem(item, p.send_pieces);
+        const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
+        const int source = static_cast<int>(peer_index < me ? peer_index : peer_index + 1);
+        if (i >= p.recv_counts[source]) continue;
+        const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
+        const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, lane);
+        char* region = RegionAt(g, call, source, p.region.bytes);
+        P* dst = reinterpret_cast<P*>(region + p.region.rows + i * p.region.stride);
+        int64_t begin, end;
+        PieceElements(H, p.width, p.send_pieces, up.piece, &begin, &end);
+        for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
+          float acc[kWide];
+          PartialSum(y, H, rows, weights, count, e, p.width, acc);
+          StoreValues<P, kWide>(dst + e, acc, p.width);
+        }
+        if (up.piece == 0 && p.row_values != nullptr) {
+          float* values = reinterpret_cast<float*>(region + p.region.values) + i * K;
+          for (int64_t k = lane; k < K; k += 32) values[k] = rows_by_k[k] >= 0 ? p.row_values[rows_by_k[k]] : 0.0f;
+        }
+        __syncwarp();
+      }
+    }
+    SignalSent(g, call);
+  }
+  if (!p.do_receive) return;
+  NoteSwapDone(g, call);
+  if (!may_run || !WaitPeers(g, call)) {
+    const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (int64_t b = first; b < T * H * static_cast<int64_t>(sizeof(Y)); b += threads) {
+      static_cast<char*>(p.out)[b] = static_cast<char>(0xff);  // NaN
+    }
+    for (int64_t v = first; p.slot_values != nullptr && v < T * K; v += threads) p.slot_values[v] = __int_as_float(-1);
+    FinishCall(g, call);
+    return;
+  }
+
+  Y* out = static_cast<Y*>(p.out);
+  for (int64_t item = first_warp; item < T * p.recv_pieces; item += warps) {
+    const UnitPiece up = SplitItem(item, p.recv_pieces);
+    const int64_t t = up.unit;
+    const int32_t* dest_pos = p.token_dest_pos + t * R;
+    const int32_t own_pos = dest_pos[me];
+    const int count = own_pos < 0 ? 0 : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, lane);
+    int64_t begin, end;
+    PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
+    for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
+      float total[kWide] = {};
+      for (int d = 0; d < R; ++d) {
+        const int32_t pos = dest_pos[d];
+        if (pos < 0) continue;
+        float part[kWide];
+        if (d == me) {
+          PartialSum(y, H, rows, weights, count, e, p.width, part);
+#pragma unroll
+          for (int v = 0; v < kWide; ++v) part[v] = ToFloat(FromFloat<P>(part[v]));  // the partial's rounding
+        } else {
+          const char* region = RegionFrom(g, call, d, p.region.bytes);
+          LoadStaged<P, kWide>(reinterpret_cast<const P*>(region + p.region.rows + pos * p.region.stride) + e, part,
+                               p.width);
+        }
+#pragma unroll
+        for (int v = 0; v < kWide; ++v) total[v] += part[v];
+      }
+      StoreValues<Y, kWide>(out + t * H + e, total, p.width);
+    }
+    if (up.piece == 0 && p.slot_values != nullptr) {
+      for (int64_t k = lane; k < K; k += 32) {
+        const int32_t d = p.slot_dest[t * K + k];
+        float value = 0.0f;
+        if (d >= 0 && dest_pos[d] >= 0) {
+          if (d == me) {
+            const int32_t row = p.recv_rows[(me * T + dest_pos[d]) * K + k];
+            value = row >= 0 ? p.row_values[row] : 0.0f;
+          } else {
+            const char* region = RegionFrom(g, call, d, p.region.bytes);
+            value = __ldcg(reinterpret_cast<const float*>(region + p.region.values) + dest_pos[d] * K + k);
+          }
+        }
+        p.slot_values[t * K + k] = value;
+      }
+    }
+    __syncwarp();
+  }
+  FinishCall(g, call);
+}
+
+template <typename Y, typename P>
+Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+  const int R = g.num_ranks;
+  p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
+  const int64_t steps = SumSteps(p.hidden, p.width);
+  p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks);
+  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
+  const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
+  const Status checked = CheckItems("jax_ep_combine", std::max(send_items, recv_items));
+  if (!checked.ok()) return checked;
+  auto launch = [&](bool send, bool receive, int64_t items) {
+    p.do_send = send;
+    p.do_receive = receive;
+    CombineKernel<Y, P><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
+    const cudaError_t status = cudaGetLastError();
+    if (status == cudaSuccess) return Status::Ok();
+    return Status::Internal(std::string("launching CombineKernel: ") + cudaGetErrorString(status));
+  };
+  if (g.nccl_ranks == 0) return launch(true, true, std::max(send_items, recv_items));
+  Status status = launch(true, false, send_items);
+  if (!status.ok()) return status;
+  if (!(status = swap(p.region.bytes)).ok()) return status;
+  return launch(false, true, recv_items);
+}
+
+}  // namespace
+
+Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+  if (c.topk > kMaxTopk) {
+    return Status::InvalidArgument("jax_ep_combine: topk must be at most " + std::to_string(kMaxTopk) + ", got " +
+                                   std::to_string(c.topk));
+  }
+  const int64_t item = c.type == FloatType::kF32 || c.partial_f32 ? 4 : 2;
+  CombineParams p{};
+  p.y = c.y;
+  p.weights = c.weights;
+  p.row_values = c.row_values;
+  p.axis_index = c.axis_index;
+  p.recv_rows = c.recv_rows;
+  p.recv_counts = c.recv_counts;
+  p.token_dest_pos = c.token_dest_pos;
+  p.slot_dest = c.slot_dest;
+  p.num_tokens = c.num_tokens;
+  p.hidden = c.hidden;
+  p.topk = c.topk;
+  p.out = c.out;
+  p.slot_values = c.slot_values;
+  p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
+  const int64_t need = g.num_ranks * p.region.bytes;
+  if (need > g.half_bytes) {
+    return Status::Error(StatusCode::kResourceExhausted,
+                         "jax_ep_combine: this call needs " + std::to_string(need) +
+                             " bytes of staging per half on each GPU, but jax_ep.initialize reserved " +
+                             std::to_string(g.half_bytes) +
+                             "; initialize with larger sizes (see jax_ep.buffer_size_hint; float32 partial sums "
+                             "need dtype=jnp.float32)");
+  }
+  switch (c.type) {
+    case FloatType::kF32:
+      return Run<float, float>(p, g, swap, stream);
+    case FloatType::kBF16:
+      return c.partial_f32 ? Run<__nv_bfloat16, float>(p, g, swap, stream)
+                           : Run<__nv_bfloat16, __nv_bfloat16>(p, g, swap, stream);
+    case FloatType::kF16:
+      return c.partial_f32 ? Run<__half, float>(p, g, swap, stream) : Run<__half, __half>(p, g, swap, stream);
+  }
+  return Status::InvalidArgument("jax_ep_combine: unknown float type");
+}
+
+}  // namespace jax_ep

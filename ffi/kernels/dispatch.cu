@@ -1,0 +1,533 @@
+// The dispatch kernel: each token goes once to every peer rank it is routed to (its row, its slots'
+// (local expert, rank, weight) and this rank's counts, stored into the peer's staging half), then, once every
+// peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
+// layout. With a given routing (jax_ep_dispatch_rows, the backward pass of combine) only rows travel.
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+
+#include "launch.h"
+#include "protocol.cuh"
+#include "rows.cuh"
+
+namespace jax_ep {
+
+int64_t DispatchHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t local_experts,
+                          int64_t row_bytes) {
+  return num_ranks * DispatchRegion(num_tokens, topk, local_experts, row_bytes).bytes;
+}
+
+namespace {
+
+constexpr int kTableSharedBytes = 96 * 1024;
+
+// A slot as it travels with its token: its local expert on the receiver (-1: not for this rank), its rank
+// among the sender's slots of that expert, and its routing weight.
+struct StagedSlot {
+  int32_t local_expert;
+  int32_t rank;
+  float weight;
+};
+
+struct DispatchParams {
+  const char* x;
+  const int32_t* axis_index;
+  int64_t num_tokens, row_bytes, topk, num_rows;
+  // routing mode
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int64_t num_experts, local_experts, capacity, alignment;
+  bool expert_layout;
+  RoutingScratch s;
+  // given mode: the handle
+  const int32_t *given_dest_pos, *given_rows, *given_counts;
+  // outputs
+  char* out_x;
+  float* weights;
+  int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
+      *recv_counts, *row_slot;
+  DispatchRegion region;
+  int send_pieces, recv_pieces;
+  bool do_send, do_receive;
+};
+
+// Position of token t in this rank's send list to rank d, or -1 (routing mode).
+__device__ inline int32_t TokenPos(const DispatchParams& p, const int32_t* scratch, int num_ranks, int64_t t, int d) {
+  const int32_t chunk = static_cast<int32_t>(t) / static_cast<int32_t>(p.s.tokens_per_chunk);
+  const int32_t local = scratch[p.s.token_local + t * num_ranks + d];
+  const int32_t base = scratch[p.s.chunk_rank + chunk * num_ranks + d];  // both loads at once
+  return local < 0 ? -1 : base + local;
+}
+
+// Slot (t, k) as rank `dest` receives it (routing mode).
+__device__ inline StagedSlot SlotFor(const DispatchParams& p, const int32_t* scratch, int64_t t, int64_t k, int dest) {
+  const int32_t e = p.topk_idx[t * p.topk + k];
+  const int32_t local_rank = scratch[p.s.slot_local + t * p.topk + k];  // loads that do not wait for e
+  const float weight = p.topk_weights[t * p.topk + k];
+  const int32_t local_experts = static_cast<int32_t>(p.local_experts);
+  if (e < 0 || e >= p.num_experts || e / local_experts != dest) return StagedSlot{-1, 0, 0.0f};
+  const int32_t chunk = static_cast<int32_t>(t) / static_cast<int32_t>(p.s.tokens_per_chunk);
+  return StagedSlot{e - dest * local_experts, scratch[p.s.chunk_expert + chunk * p.num_experts + e] + local_rank,
+                    weight};
+}
+
+__device__ inline StagedSlot LoadStagedSlot(const StagedSlot* slot) {
+  const int32_t* words = reinterpret_cast<const int32_t*>(slot);
+  return StagedSlot{__ldcg(words), __ldcg(words + 1), __int_as_float(__ldcg(words + 2))};
+}
+
+// Fills `bytes` at p with 0xff (NaN in every float type, -1 in int32), grid-stride over all threads.
+__device__ inline void Poison(void* p, int64_t bytes) {
+  if (p == nullptr) return;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  char* c = static_cast<char*>(p);
+  for (int64_t i = first; i < bytes; i += threads) c[i] = static_cast<char>(0xff);
+}
+
+__device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
+  const int64_t T = p.num_tokens, K = p.topk, R = num_ranks;
+  Poison(p.out_x, p.num_rows * p.row_bytes);
+  Poison(p.weights, p.num_rows * 4);
+  Poison(p.group_sizes, p.local_experts * 4);
+  Poison(p.num_dropped, 4);
+  Poison(p.num_invalid, 4);
+  Poison(p.token_dest_pos, T * R * 4);
+  Poison(p.send_counts, R * 4);
+  Poison(p.slot_dest, T * K * 4);
+  Poison(p.recv_rows, R * T * K * 4);
+  Poison(p.recv_counts, R * 4);
+  Poison(p.row_slot, p.num_rows * 4);
+}
+
+// The receiver's tables (routing mode), in shared memory: for source r and local expert l, the layout
+// position of r's first slot of l (start[r * L + l]: a row in the ragged layout, an index within expert l's
+// rows in the expert layout), each segment's first row (ragged), and each local expert's slots from all ranks.
+struct Tables {
+  int32_t* start;
+  int32_t* seg_start;
+  int32_t* total;
+  int32_t* recv_count;  // [R] tokens received from each rank
+  int32_t* data_end;    // rows up to the end of the last segment (ragged), N (expert)
+};
+
+__device__ inline int32_t Padded(int32_t total, int64_t alignment) {
+  return static_cast<int32_t>((total + alignment - 1) / alignment * alignment);
+}
+
+__device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
+                            Tables t) {
+  const int R = g.num_ranks, me = g.rank;
+  const int64_t L = p.local_experts;
+  auto counts_from = [&](int r) -> const int32_t* {
+    return reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
+  };
+  for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+    int32_t running = 0;
+    for (int r = 0; r < R; ++r) {
+      const int32_t count = r == me ? scratch[p.s.expert_count + me * L + l] : __ldcg(counts_from(r) + l);
+      t.start[r * L + l] = running;
+      running += count;
+    }
+    t.total[l] = running;
+  }
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : __ldcg(counts_from(r) + L);
+  }
+  __syncthreads();
+  if (p.expert_layout) {
+    if (threadIdx.x == 0) *t.data_end = static_cast<int32_t>(p.num_rows);
+    __syncthreads();
+    return;
+  }
+  // Segment starts: exclusive prefix of the padded totals; each thread scans a run of consecutive experts.
+  using BlockScan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan;
+  const int64_t per_thread = (L + kThreads - 1) / kThreads;
+  const int64_t first = threadIdx.x * per_thread, last = std::min<int64_t>(L, first + per_thread);
+  int32_t mine = 0;
+  for (int64_t l = first; l < last; ++l) mine += Padded(t.total[l], p.alignment);
+  int32_t before;
+  BlockScan(scan).ExclusiveSum(mine, before);
+  for (int64_t l = first; l < last; ++l) {
+    t.seg_start[l] = before;
+    before += Padded(t.total[l], p.alignment);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < R * L; i += blockDim.x) t.start[i] += t.seg_start[i % L];
+  if (threadIdx.x == 0) {
+    const int32_t end = t.seg_start[L - 1] + Padded(t.total[L - 1], p.alignment);
+    *t.data_end = static_cast<int32_t>(std::min<int64_t>(end, p.capacity));
+  }
+  __syncthreads();
+}
+
+// Block 0 (routing mode): group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
+__device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const int32_t* scratch, const Tables& t) {
+  __shared__ int32_t dropped;
+  if (threadIdx.x == 0) dropped = 0;
+  __syncthreads();
+  const int64_t C = p.capacity;
+  int32_t mine = 0;
+  for (int64_t l = threadIdx.x; l < p.local_experts; l += blockDim.x) {
+    const int32_t total = t.total[l];
+    int32_t size, kept;
+    if (p.expert_layout) {
+      size = kept = static_cast<int32_t>(std::min<int64_t>(total, C));
+    } else {
+      const int64_t seg = t.seg_start[l];
+      size = static_cast<int32_t>(std::min<int64_t>(seg + Padded(total, p.alignment), C) - std::min<int64_t>(seg, C));
+      kept = static_cast<int32_t>(std::clamp<int64_t>(C - seg, 0, total));
+    }
+    p.group_sizes[l] = size;
+    mine += total - kept;
+  }
+  atomicAdd(&dropped, mine);
+  for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x) {
+    p.recv_counts[r] = t.recv_count[r];
+    p.send_counts[r] = scratch[p.s.rank_count + r];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *p.num_dropped = dropped;
+    *p.num_invalid = scratch[p.s.num_invalid];
+  }
+}
+
+// One warp: the layout rows of a received token's slots (slot(k) gives slot k as received), then a piece of
+// the token row from src into all of them. Piece 0 also writes the rows' weights and slots, and recv_rows.
+template <bool kStaged, typename SlotOf>
+__device__ void Expand(const DispatchParams& p, const Tables& t, int source, int64_t i, SlotOf slot, const char* src,
+                       int piece, int32_t* held, int lane) {
+  const int64_t T = p.num_tokens, K = p.topk, L = p.local_experts;
+  int count = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const int64_t k = k0 + lane;
+    int32_t row = -1;
+    if (k < K) {
+      const StagedSlot s = slot(k);
+      if (s.local_expert >= 0) {
+        const int64_t at = static_cast<int64_t>(t.start[source * L + s.local_expert]) + s.rank;
+        if (at < p.capacity) row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
+      }
+      if (piece == 0) {
+        const int64_t id = (source * T + i) * K + k;
+        p.recv_rows[id] = row;
+        if (row >= 0) {
+          p.weights[row] = s.weight;
+          p.row_slot[row] = static_cast<int32_t>(id);
+        }
+      }
+    }
+    const unsigned rows = __ballot_sync(0xffffffffu, row >= 0);
+    if (row >= 0) held[count + __popc(rows & ((1u << lane) - 1))] = row;
+    count += __popc(rows);
+  }
+  __syncwarp();
+  int64_t begin, end;
+  PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
+  CopyToRows<kStaged>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
+  __syncwarp();
+}
+
+// Rows that hold no slot (routing mode): weight 0 and no slot; zeros in x inside the data (alignment padding,
+// the expert layout's unused rows), nothing in the ragged tail.
+__device__ void FillRow(const DispatchParams& p, const Tables& t, int64_t n, int lane) {
+  bool padding;
+  if (p.expert_layout) {
+    const int32_t capacity = static_cast<int32_t>(p.capacity), row = static_cast<int32_t>(n);
+    padding = row % capacity >= t.total[row / capacity];
+  } else {
+    if (n >= *t.data_end) {
+      if (lane == 0) {
+        p.weights[n] = 0.0f;
+        p.row_slot[n] = -1;
+      }
+      return;
+    }
+    int64_t lo = 0, hi = p.local_experts;  // the last segment that starts at or before n
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (t.seg_start[mid] <= n) lo = mid; else hi = mid;
+    }
+    padding = n - t.seg_start[lo] >= t.total[lo];
+  }
+  if (!padding) return;
+  if (lane == 0) {
+    p.weights[n] = 0.0f;
+    p.row_slot[n] = -1;
+  }
+  CopyRow(nullptr, p.out_x + n * p.row_bytes, p.row_bytes, lane);
+}
+
+template <bool kRouting>
+__global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
+  extern __shared__ int32_t table_memory[];
+  __shared__ int32_t held_rows[kWarps][kMaxTopk];
+  __shared__ int32_t recv_count[kMaxRanks];
+  __shared__ int32_t data_end;
+  const Call call = CurrentCall(g, kRouting ? kOpDispatch : kOpDispatchRows);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int R = g.num_ranks, me = g.rank;
+  const int64_t T = p.num_tokens, K = p.topk;
+  const int32_t* scratch = g.scratch;
+  int32_t* held = held_rows[warp];
+  const bool may_run = CallMayRun(g, call, p.axis_index);
+
+  if (p.do_send) {
+    if (may_run) {
+      for (int64_t item = first_warp; item < T * R * p.send_pieces; item += warps) {
+        const UnitPiece up = SplitItem(item, p.send_pieces);
+        const int32_t t = up.unit / R;
+        const int dest = up.unit - t * R;
+        int32_t pos;
+        if constexpr (kRouting) {
+          pos = TokenPos(p, scratch, R, t, dest);
+          if (up.piece == 0 && lane == 0) p.token_dest_pos[t * R + dest] = pos;
+        } else {
+          pos = p.given_dest_pos[t * R + dest];
+        }
+        if (dest == me || pos < 0) continue;
+        char* region = RegionAt(g, call, dest, p.region.bytes);
+        int64_t begin, end;
+        PieceBytes(p.row_bytes, p.send_pieces, up.piece, &begin, &end);
+        CopyRow(p.x + t * p.row_bytes + begin, region + p.region.rows + pos * p.region.stride + begin, end - begin,
+                lane);
+        if constexpr (kRouting) {
+          if (up.piece == 0) {
+            StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
+            for (int64_t k = lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
+          }
+        }
+      }
+      if constexpr (kRouting) {
+        if (blockIdx.x == 0 && warp == 0) {  // this rank's counts for each peer's local experts
+          for (int dest = 0; dest < R; ++dest) {
+            if (dest == me) continue;
+            int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
+            for (int64_t l = lane; l < p.local_experts; l += 32) {
+              counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
+            }
+            if (lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
+          }
+        }
+      }
+    }
+    SignalSent(g, call);
+  }
+  if (!p.do_receive) return;
+  NoteSwapDone(g, call);
+  if (!may_run || !WaitPeers(g, call)) {
+    if constexpr (kRouting) {
+      PoisonOutputs(p, R);
+    } else {
+      Poison(p.out_x, p.num_rows * p.row_bytes);
+    }
+    FinishCall(g, call);
+    return;
+  }
+
+  if constexpr (kRouting) {
+    const int64_t L = p.local_experts;
+    const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
+    BuildTables(p, g, call, scratch, tables);
+    if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
+    const int64_t token_items = R * T * p.recv_pieces;
+    for (int64_t item = first_warp; item < token_items + p.num_rows; item += warps) {
+      if (item >= token_items) {
+        FillRow(p, tables, item - token_items, lane);
+        continue;
+      }
+      const UnitPiece up = SplitItem(item, p.recv_pieces);
+      const int source = up.unit / static_cast<int32_t>(T);
+      const int32_t i = up.unit - source * static_cast<int32_t>(T);
+      if (up.piece == 0 && i >= recv_count[source]) {
+        for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
+      }
+      if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
+        const int32_t pos = TokenPos(p, scratch, R, i, me);
+        if (pos < 0) continue;
+        auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
+        Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
+      } else if (i < recv_count[source]) {
+        const char* region = RegionFrom(g, call, source, p.region.bytes);
+        const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
+        auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k); };
+        Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
+      }
+    }
+  } else {
+    for (int64_t item = first_warp; item < R * T * p.recv_pieces; item += warps) {
+      const UnitPiece up = SplitItem(item, p.recv_pieces);
+      const int source = up.unit / static_cast<int32_t>(T);
+      const int32_t i = up.unit - source * static_cast<int32_t>(T);
+      const int32_t* rows;
+      const char* src;
+      bool staged = false;
+      if (source == me) {
+        const int32_t pos = p.given_dest_pos[i * R + me];
+        if (pos < 0) continue;
+        rows = p.given_rows + (me * T + pos) * K;
+        src = p.x + i * p.row_bytes;
+      } else {
+        if (i >= p.given_counts[source]) continue;
+        rows = p.given_rows + (source * T + i) * K;
+        src = RegionFrom(g, call, source, p.region.bytes) + p.region.rows + i * p.region.stride;
+        staged = true;
+      }
+      int count = 0;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const int32_t row = k0 + lane < K ? rows[k0 + lane] : -1;
+        const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
+        if (row >= 0) held[count + __popc(valid & ((1u << lane) - 1))] = row;
+        count += __popc(valid);
+      }
+      __syncwarp();
+      int64_t begin, end;
+      PieceBytes(p.row_bytes, p.recv_pieces, up.piece, &begin, &end);
+      if (staged) {
+        CopyToRows<true>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
+      } else {
+        CopyToRows<false>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
+      }
+      __syncwarp();
+    }
+  }
+  FinishCall(g, call);
+}
+
+Status LaunchStatus(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
+}
+
+Status TooLarge(const char* op, int64_t need, int64_t have) {
+  return Status::Error(StatusCode::kResourceExhausted,
+                       std::string(op) + ": this call needs " + std::to_string(need) +
+                           " bytes of staging per half on each GPU, but jax_ep.initialize reserved " +
+                           std::to_string(have) + "; initialize with larger sizes (see jax_ep.buffer_size_hint)");
+}
+
+// Runs the kernel fused, or (with NCCL ranks) as a send launch, the NCCL swap and a receive launch.
+template <bool kRouting>
+Status Run(DispatchParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, int64_t send_items,
+           int64_t recv_items, size_t shared) {
+  const char* name = kRouting ? "DispatchKernel<routing>" : "DispatchKernel<rows>";
+  if (g.nccl_ranks == 0) {
+    p.do_send = p.do_receive = true;
+    DispatchKernel<kRouting><<<BlocksFor(std::max(send_items, recv_items), g.max_blocks), kThreads, shared, stream>>>(
+        p, g);
+    return LaunchStatus(name);
+  }
+  p.do_send = true;
+  p.do_receive = false;
+  DispatchKernel<kRouting><<<BlocksFor(send_items, g.max_blocks), kThreads, shared, stream>>>(p, g);
+  Status status = LaunchStatus(name);
+  if (!status.ok()) return status;
+  if (!(status = swap(p.region.bytes)).ok()) return status;
+  p.do_send = false;
+  p.do_receive = true;
+  DispatchKernel<kRouting><<<BlocksFor(recv_items, g.max_blocks), kThreads, shared, stream>>>(p, g);
+  return LaunchStatus(name);
+}
+
+}  // namespace
+
+Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+  const int R = g.num_ranks;
+  if (c.num_experts > kMaxExperts || c.num_experts % R != 0 || c.topk > kMaxTopk) {
+    return Status::InvalidArgument("jax_ep_dispatch: num_experts must be a multiple of R=" + std::to_string(R) +
+                                   " and at most " + std::to_string(kMaxExperts) + ", and topk at most " +
+                                   std::to_string(kMaxTopk) + "; got num_experts=" + std::to_string(c.num_experts) +
+                                   ", topk=" + std::to_string(c.topk));
+  }
+  DispatchParams p{};
+  p.x = c.x;
+  p.axis_index = c.axis_index;
+  p.num_tokens = c.num_tokens;
+  p.row_bytes = c.row_bytes;
+  p.topk = c.topk;
+  p.num_rows = c.num_rows;
+  p.topk_idx = c.topk_idx;
+  p.topk_weights = c.topk_weights;
+  p.num_experts = c.num_experts;
+  p.local_experts = c.num_experts / R;
+  p.capacity = c.capacity;
+  p.alignment = c.alignment;
+  p.expert_layout = c.expert_layout;
+  p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
+  p.out_x = c.out_x;
+  p.weights = c.out_weights;
+  p.group_sizes = c.group_sizes;
+  p.num_dropped = c.num_dropped;
+  p.num_invalid = c.num_invalid;
+  p.token_dest_pos = c.token_dest_pos;
+  p.send_counts = c.send_counts;
+  p.slot_dest = c.slot_dest;
+  p.recv_rows = c.recv_rows;
+  p.recv_counts = c.recv_counts;
+  p.row_slot = c.row_slot;
+  p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
+  if (R * p.region.bytes > g.half_bytes) return TooLarge("jax_ep_dispatch", R * p.region.bytes, g.half_bytes);
+  const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
+  if (shared > static_cast<size_t>(kTableSharedBytes)) {
+    return Status::InvalidArgument("jax_ep_dispatch: the receivers' row tables need " + std::to_string(shared) +
+                                   " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
+  }
+  const int64_t steps = CopySteps(c.row_bytes);
+  p.send_pieces = PiecesPerRow(c.num_tokens * (R - 1), steps, g.max_blocks);
+  p.recv_pieces = PiecesPerRow(c.num_tokens * R, steps, g.max_blocks);
+  const int64_t send_items = c.num_tokens * R * p.send_pieces, recv_items = c.num_tokens * R * p.recv_pieces + c.num_rows;
+  Status status = CheckItems("jax_ep_dispatch", std::max(send_items, recv_items));
+  if (!status.ok()) return status;
+  if (!(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
+    return status;
+  }
+  return Run<true>(p, g, swap, stream, send_items, recv_items, shared);
+}
+
+Status LaunchDispatchRows(const DispatchRowsCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+  const int R = g.num_ranks;
+  DispatchParams p{};
+  p.x = c.x;
+  p.axis_index = c.axis_index;
+  p.num_tokens = c.num_tokens;
+  p.row_bytes = c.row_bytes;
+  p.topk = c.topk;
+  p.num_rows = c.num_rows;
+  p.given_dest_pos = c.token_dest_pos;
+  p.given_rows = c.recv_rows;
+  p.given_counts = c.recv_counts;
+  p.out_x = c.out_rows;
+  p.region = DispatchRegion(c.num_tokens, c.topk, 0, c.row_bytes);
+  if (R * p.region.bytes > g.half_bytes) return TooLarge("jax_ep_dispatch_rows", R * p.region.bytes, g.half_bytes);
+  const int64_t steps = CopySteps(c.row_bytes);
+  p.send_pieces = PiecesPerRow(c.num_tokens * (R - 1), steps, g.max_blocks);
+  p.recv_pieces = PiecesPerRow(c.num_tokens * R, steps, g.max_blocks);
+  if (c.topk > kMaxTopk) {
+    return Status::InvalidArgument("jax_ep_dispatch_rows: topk must be at most " + std::to_string(kMaxTopk) +
+                                   ", got " + std::to_string(c.topk));
+  }
+  const int64_t send_items = c.num_tokens * R * p.send_pieces, recv_items = c.num_tokens * R * p.recv_pieces;
+  const Status status = CheckItems("jax_ep_dispatch_rows", std::max(send_items, recv_items));
+  if (!status.ok()) return status;
+  return Run<false>(p, g, swap, stream, send_items, recv_items, 0);
+}
+
+Status PrepareKernels() {
+  Status status = PrepareRoutingKernel();
+  if (!status.ok()) return status;
+  for (auto kernel : {DispatchKernel<true>, DispatchKernel<false>}) {
+    const cudaError_t error =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
+    if (error != cudaSuccess) {
+      return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace jax_ep

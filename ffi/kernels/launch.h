@@ -1,0 +1,184 @@
+// The kernels' side of jax_ep: the group memory they share, the staging layout, and the launchers.
+// Raw pointers and a stream only: no XLA or nanobind headers here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "../status.h"
+
+#ifdef __CUDACC__
+#define JAX_EP_HOST_DEVICE __host__ __device__
+#else
+#define JAX_EP_HOST_DEVICE
+#endif
+
+namespace jax_ep {
+
+constexpr int kMaxRanks = 64;
+constexpr int kMaxTopk = 64;         // a token's rows are sorted and held in shared memory
+constexpr int64_t kMaxExperts = 8192;  // the receivers' row tables live in shared memory
+
+// What a call is: flags carry (call number << 8 | op), so a wait can tell another call's data from its own.
+enum Op : uint32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3 };
+
+// Why a call failed, in HostStatus::code and in the abort word.
+enum FailCode : int32_t {
+  kOk = 0,
+  kMissingPeer = 1,  // a wait for `peer` passed the group's timeout
+  kOutOfOrder = 2,   // `peer` ran another jax_ep call of the group at this position (calls issued in different orders)
+  kWrongRank = 3,    // lax.axis_index differed from the rank the group gave this GPU
+  kNcclTimeout = 5,  // an NCCL swap did not finish within the timeout (the watchdog aborted the communicator)
+};
+
+// Lives in each GPU's memory; peers write flag[][me] and abort.
+struct Signals {
+  uint64_t flag[2][kMaxRanks];  // [call parity][source]: tag of the call whose data `source` finished storing here
+  uint64_t abort;               // 0, or AbortWord(code, reporter, peer): the group is out of step
+  uint64_t calls;               // calls of the group completed on this GPU
+  uint32_t send_done;           // last-block detection of a kernel's send phase
+  uint32_t kernel_done;         // ... of a whole transfer kernel
+  uint32_t routing_done;        // ... of the routing kernel
+};
+
+// Pinned host memory, mapped for the kernels: the first failure on this GPU, for the handlers and Group.check.
+struct HostStatus {
+  int32_t code;          // FailCode
+  int32_t peer;          // the rank the failure is about
+  int32_t reporter;      // the rank that saw it
+  int32_t op;            // Op of the failed call
+  int32_t relayed;       // 1: `reporter` is another rank, which saw the failure first and told this one
+  uint64_t call;         // its call number
+  uint64_t seen;         // the flag value a wait saw last
+  uint64_t nccl_started;  // call number of the latest NCCL swap enqueued (written by the send kernel)
+  uint64_t nccl_done;     // ... of the latest one finished (written by the receive kernel)
+};
+
+struct PeerTable {
+  char* staging[kMaxRanks];
+  Signals* signals[kMaxRanks];
+};
+
+// Where a kernel finds this GPU's group; the same on every call, so captured graphs stay valid.
+struct GroupView {
+  int rank;
+  int num_ranks;
+  int max_blocks;          // SM budget of jax_ep.initialize: one block of kThreads per SM at most
+  char* staging;           // this GPU's two staging halves of half_bytes
+  int64_t half_bytes;
+  Signals* signals;        // this GPU's signals
+  const PeerTable* peers;  // device copy of every rank's staging and signals
+  HostStatus* status;      // device address of the host-mapped status
+  uint64_t timeout_ns;     // give up waiting for a peer after this long
+  uint64_t nccl_ranks;     // bit r: rank r is reached through NCCL, not by peer stores
+  char* outbox;            // rows for NCCL ranks: region d goes to rank d (null without NCCL ranks)
+  char* inbox;             // rows from NCCL ranks: region s came from rank s (the swap is stream-ordered)
+  int32_t* scratch;        // routing scratch (RoutingScratch)
+  int64_t scratch_ints;
+};
+
+JAX_EP_HOST_DEVICE inline bool ByNccl(uint64_t nccl_ranks, int rank) { return (nccl_ranks >> rank) & 1; }
+
+// Bytes of one source's region of a staging half for a dispatch of T tokens of `row_bytes` (K slots, L local
+// experts): its L + 1 counts, K (expert, rank, weight) triples per token, then the token rows.
+struct DispatchRegion {
+  int64_t counts = 0, meta = 0, rows = 0, stride = 0, bytes = 0;
+  DispatchRegion() = default;
+  DispatchRegion(int64_t num_tokens, int64_t topk, int64_t local_experts, int64_t row_bytes) {
+    counts = 0;
+    meta = (local_experts + 1 + 3) / 4 * 16;
+    rows = meta + (num_tokens * topk * 12 + 15) / 16 * 16;
+    stride = (row_bytes + 15) / 16 * 16;
+    bytes = rows + num_tokens * stride;
+  }
+};
+
+// ... for a combine: K slot values per token (the backward pass of dispatch), then the partial sums.
+struct CombineRegion {
+  int64_t values = 0, rows = 0, stride = 0, bytes = 0;
+  CombineRegion() = default;
+  CombineRegion(int64_t num_tokens, int64_t topk, int64_t partial_row_bytes) {
+    values = 0;
+    rows = (num_tokens * topk * 4 + 15) / 16 * 16;
+    stride = (partial_row_bytes + 15) / 16 * 16;
+    bytes = rows + num_tokens * stride;
+  }
+};
+
+// The routing kernel's scratch (int32 offsets) for T tokens, K slots, E experts and R ranks.
+struct RoutingScratch {
+  int64_t tokens_per_chunk = 1, chunks = 0, warps = 0;
+  int64_t slot_local = 0, token_local = 0, chunk_expert = 0, chunk_rank = 0, chunk_invalid = 0, expert_count = 0,
+          rank_count = 0, num_invalid = 0;
+  int64_t ints = 0;
+  RoutingScratch() = default;
+  RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks);
+};
+
+// What a transfer enqueues between its send and receive kernels when some ranks are reached through NCCL:
+// region d of the outbox goes to rank d, and rank d's region lands in region d of the inbox.
+using NcclSwap = std::function<Status(int64_t region_bytes)>;
+
+enum class FloatType { kF32, kBF16, kF16 };
+
+// Dispatch: routing of topk_idx and the tokens' trip into the layout; outputs as jax_ep/backends/cuda.py
+// names them. x is [T, row_bytes]; the layout has num_rows rows of row_bytes.
+struct DispatchCall {
+  const char* x;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  const int32_t* axis_index;
+  int64_t num_tokens, row_bytes, topk, num_experts, capacity, alignment, num_rows;
+  bool expert_layout;
+  char* out_x;
+  float* out_weights;
+  int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
+      *recv_counts, *row_slot;
+};
+Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap,
+                           cudaStream_t stream);
+
+// The tokens' trip along a given routing (the backward pass of combine): held layout rows only.
+struct DispatchRowsCall {
+  const char* x;
+  const int32_t* axis_index;
+  const int32_t *token_dest_pos, *recv_rows, *recv_counts;
+  int64_t num_tokens, row_bytes, topk, num_rows;
+  char* out_rows;
+};
+Status LaunchDispatchRows(const DispatchRowsCall& call, const GroupView& group, const NcclSwap& swap,
+                               cudaStream_t stream);
+
+// Combine: partial sums in row order to their source ranks, summed there in rank order. With row_values,
+// also every slot's row value (the backward pass of dispatch).
+struct CombineCall {
+  const void* y;
+  const float* weights;     // [N] or null (weight 1)
+  const float* row_values;  // [N] or null
+  const int32_t* axis_index;
+  const int32_t *recv_rows, *recv_counts, *token_dest_pos, *slot_dest;
+  int64_t num_tokens, hidden, topk;
+  FloatType type;
+  bool partial_f32;  // partial sums travel as float32 (else in y's type)
+  void* out;
+  float* slot_values;  // [T, K] when row_values
+};
+Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream);
+
+// Bytes of a staging half a call needs (the launchers check it against GroupView::half_bytes).
+int64_t DispatchHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t local_experts,
+                          int64_t row_bytes);
+int64_t CombineHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t partial_row_bytes);
+
+// Sets the kernels' shared-memory limits; once per process, before any launch.
+Status PrepareKernels();
+
+// The dispatch's first kernel (routing.cu): slot_dest and the routing scratch.
+Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
+                     const GroupView& group, int32_t* slot_dest, cudaStream_t stream);
+Status PrepareRoutingKernel();
+
+}  // namespace jax_ep

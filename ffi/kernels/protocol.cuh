@@ -1,0 +1,222 @@
+// The transfer protocol, written once: every call of a group, on every GPU, is
+//   send:    stores into each peer's staging half (call parity), then the last block raises this rank's flag
+//            flag[parity][me] = tag on every peer, tag = (call number << 8 | op);
+//   receive: every block waits until each peer's flag equals the tag exactly, reads its own staging half,
+//            and the last block counts the call done.
+// A call writes the half of its parity, which every peer last read two calls ago: a peer's flag for this
+// call means it finished the call before, so halves are never overwritten while read. A wait that sees
+// another tag at this call's number (the ranks issued calls in another order), passes the timeout, or finds
+// the abort word set, gives up: it records why in host-mapped memory and tells every peer, whose calls then
+// give up too. Nothing per call lives on the host, so the calls can be captured in CUDA graphs.
+#pragma once
+
+#include <cstdint>
+
+#include "launch.h"
+
+namespace jax_ep {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+
+__device__ inline uint64_t NowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ inline uint64_t LoadAcquire(const uint64_t* flag) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ inline void StoreRelease(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ inline uint64_t Volatile(const uint64_t* word) { return *reinterpret_cast<const volatile uint64_t*>(word); }
+
+// The abort word: which failure, seen by which rank, about which rank, and whether another rank relayed it.
+constexpr uint64_t kRelayed = uint64_t{1} << 62;
+__device__ inline uint64_t AbortWord(int code, int reporter, int peer) {
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(code & 0xff) << 32) |
+         (static_cast<uint64_t>(reporter & 0xffff) << 16) | static_cast<uint64_t>(peer & 0xffff);
+}
+
+// The call a kernel serves; every kernel of a call reads the same number.
+struct Call {
+  uint64_t number;  // 1, 2, ... on every GPU of the group alike
+  int parity;       // staging half and flag set of this call
+  uint64_t tag;
+  int op;
+};
+
+__device__ inline Call CurrentCall(const GroupView& g, int op) {
+  const uint64_t number = Volatile(&g.signals->calls) + 1;
+  return Call{number, static_cast<int>(number & 1), (number << 8) | static_cast<uint64_t>(op), op};
+}
+
+// Writes the host status from the abort word, once per GPU (the first block to get here).
+__device__ inline void Report(const GroupView& g, const Call& call, uint64_t word, uint64_t seen) {
+  volatile HostStatus* status = g.status;
+  if (status->code != 0) return;
+  status->peer = static_cast<int32_t>(word & 0xffff);
+  status->reporter = static_cast<int32_t>((word >> 16) & 0xffff);
+  status->op = call.op;
+  status->call = call.number;
+  status->seen = seen;
+  status->relayed = (word & kRelayed) != 0;
+  __threadfence_system();
+  status->code = static_cast<int32_t>((word >> 32) & 0xff);
+  __threadfence_system();
+}
+
+// Records a failure seen by this rank and tells every peer-store rank, whose waits then give up at once.
+__device__ inline void Fail(const GroupView& g, const Call& call, int code, int peer, uint64_t seen) {
+  const uint64_t word = AbortWord(code, g.rank, peer);
+  const auto old = atomicCAS_system(reinterpret_cast<unsigned long long*>(&g.signals->abort), 0ull, word);
+  if (old != 0) {
+    Report(g, call, old, seen);
+    return;
+  }
+  Report(g, call, word, seen);
+  const uint64_t told = word | kRelayed;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;
+    atomicCAS_system(reinterpret_cast<unsigned long long*>(&g.peers->signals[r]->abort), 0ull, told);
+  }
+  __threadfence_system();
+}
+
+// True when the group is out of step (this GPU's abort word is set, or, with NCCL ranks, the watchdog
+// recorded a failed swap); the host status then says why.
+__device__ inline bool Aborted(const GroupView& g, const Call& call) {
+  const uint64_t word = Volatile(&g.signals->abort);
+  if (word != 0) {
+    Report(g, call, word, 0);
+    return true;
+  }
+  return g.nccl_ranks != 0 && reinterpret_cast<volatile HostStatus*>(g.status)->code != 0;
+}
+
+// Block-wide: whether this call may go on. Call at a kernel's start, by every block.
+__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = !Aborted(g, call);
+    if (ok && *axis_index != g.rank) {
+      Fail(g, call, kWrongRank, *axis_index, 0);
+      ok = 0;
+    }
+  }
+  __syncthreads();
+  return ok;
+}
+
+// Block-uniform: true in the last block of the grid to get here (once per launch). Every block's writes are
+// fenced (system-wide when peers must see them: kSystem) before it counts itself done, and the last block
+// sees them. A grid of one block needs no counting.
+template <bool kSystem>
+__device__ inline bool LastBlock(uint32_t* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (gridDim.x == 1) return true;
+  if (threadIdx.x == 0) {
+    if constexpr (kSystem) {
+      __threadfence_system();
+    } else {
+      __threadfence();
+    }
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence();  // acquire: every other block's writes are visible to what the last block does next
+      *counter = 0;
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Every block ends its send phase here; the last one raises this rank's flag on every peer-store rank and,
+// when NCCL ranks follow, tells the watchdog that a swap is about to be enqueued. A group of one rank has
+// nobody to tell.
+__device__ inline void SignalSent(const GroupView& g, const Call& call) {
+  if (g.num_ranks == 1) return;
+  if (!LastBlock<true>(&g.signals->send_done) || threadIdx.x != 0) return;
+  if (g.nccl_ranks != 0) {  // the swap follows this kernel whatever happened: the watchdog watches it
+    reinterpret_cast<volatile HostStatus*>(g.status)->nccl_started = call.number;
+    __threadfence_system();
+  }
+  if (Volatile(&g.signals->abort) != 0) return;  // a block of this call gave up: its data is not there
+  for (int r = 0; r < g.num_ranks; ++r) {
+    if (r != g.rank && !ByNccl(g.nccl_ranks, r)) StoreRelease(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
+  }
+}
+
+// The start of a receive kernel: with NCCL ranks, the swap before it has finished (stream order).
+__device__ inline void NoteSwapDone(const GroupView& g, const Call& call) {
+  if (g.nccl_ranks != 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    reinterpret_cast<volatile HostStatus*>(g.status)->nccl_done = call.number;
+  }
+}
+
+// Every block, before it reads its staging half: waits until every peer-store rank's data for this call has
+// landed (NCCL ranks' data landed before the kernel started). False when the call gives up.
+__device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  const int peer = threadIdx.x;
+  if (peer < g.num_ranks && peer != g.rank && !ByNccl(g.nccl_ranks, peer)) {
+    const uint64_t* flag = &g.signals->flag[call.parity][peer];
+    const uint64_t start = NowNs();
+    for (uint32_t spin = 0;; ++spin) {
+      const uint64_t seen = LoadAcquire(flag);
+      if (seen == call.tag) break;
+      if ((seen >> 8) >= call.number) {
+        Fail(g, call, kOutOfOrder, peer, seen);
+        failed = 1;
+        break;
+      }
+      if (spin % 32 == 31) {
+        if (Aborted(g, call)) {
+          failed = 1;
+          break;
+        }
+        if (NowNs() - start > g.timeout_ns) {
+          Fail(g, call, kMissingPeer, peer, seen);
+          failed = 1;
+          break;
+        }
+      }
+    }
+    __threadfence();
+  }
+  if (threadIdx.x == 0 && Aborted(g, call)) failed = 1;
+  __syncthreads();
+  return failed == 0;
+}
+
+// Every block ends a call here; the last one counts it done on this GPU.
+__device__ inline void FinishCall(const GroupView& g, const Call& call) {
+  if (LastBlock<false>(&g.signals->kernel_done) && threadIdx.x == 0) {
+    *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
+  }
+}
+
+// Where rank `source`'s region of this call is on this GPU: in the staging half of the call's parity, or for
+// a rank reached through NCCL, in the inbox the swap filled.
+__device__ inline const char* RegionFrom(const GroupView& g, const Call& call, int source, int64_t region_bytes) {
+  if (ByNccl(g.nccl_ranks, source)) return g.inbox + source * region_bytes;
+  return g.staging + call.parity * g.half_bytes + source * region_bytes;
+}
+
+// Where this rank stores its region for rank `dest`: in dest's staging half, or for a rank reached through
+// NCCL, in region `dest` of this GPU's outbox, which the swap delivers.
+__device__ inline char* RegionAt(const GroupView& g, const Call& call, int dest, int64_t region_bytes) {
+  if (ByNccl(g.nccl_ranks, dest)) return g.outbox + dest * region_bytes;
+  return g.peers->staging[dest] + call.parity * g.half_bytes + g.rank * region_bytes;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,148 @@
+// How warps move rows: 16-byte accesses, rows split into pieces when there are too few rows for the warps,
+// and loads of staged data that bypass the non-coherent cache (peers wrote it during this kernel).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "protocol.cuh"
+
+namespace jax_ep {
+
+// Rows are split into pieces when there are too few rows to keep every warp of the block budget busy
+// (small T): one warp then moves one piece, a run of whole steps (a step: 32 lanes x 16 bytes).
+constexpr int kMaxPieces = 64;
+constexpr int64_t kCopyStep = 32 * 16;
+
+// Steps of a row copy; rows whose size is not a multiple of 16 bytes are never split.
+__host__ __device__ inline int64_t CopySteps(int64_t row_bytes) {
+  return row_bytes % 16 == 0 ? (row_bytes + kCopyStep - 1) / kCopyStep : 1;
+}
+
+// Pieces per row for `units` rows of `steps` steps each: 1 when the rows alone fill the budget.
+inline int PiecesPerRow(int64_t units, int64_t steps, int max_blocks) {
+  const int64_t warps = static_cast<int64_t>(max_blocks) * kWarps;
+  int64_t pieces = units < 1 ? 1 : (warps + units - 1) / units;
+  if (pieces > steps) pieces = steps;
+  if (pieces > kMaxPieces) pieces = kMaxPieces;
+  return static_cast<int>(pieces < 1 ? 1 : pieces);
+}
+
+// Grid size for `items` warp items, at most the group's block budget.
+inline unsigned BlocksFor(int64_t items, int max_blocks) {
+  const int64_t blocks = (items + kWarps - 1) / kWarps;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks));
+}
+
+// Items of one launch are counted in 32 bits (the launchers check the count): index arithmetic in 64 bits
+// costs tens of instructions per division, which small calls pay in latency.
+constexpr int64_t kMaxItems = (int64_t{1} << 31) - 1;
+
+// An item of a kernel whose rows are split: item = unit * pieces + piece.
+struct UnitPiece {
+  int32_t unit;
+  int piece;
+};
+__device__ inline UnitPiece SplitItem(int64_t item, int pieces) {
+  const uint32_t i = static_cast<uint32_t>(item);
+  if (pieces == 1) return UnitPiece{static_cast<int32_t>(i), 0};
+  const uint32_t unit = i / static_cast<uint32_t>(pieces);
+  return UnitPiece{static_cast<int32_t>(unit), static_cast<int>(i - unit * pieces)};
+}
+
+// Byte range [begin, end) of piece `piece` of a row copy.
+__device__ inline void PieceBytes(int64_t row_bytes, int pieces, int piece, int64_t* begin, int64_t* end) {
+  if (pieces == 1) {
+    *begin = 0;
+    *end = row_bytes;
+    return;
+  }
+  const int32_t steps = static_cast<int32_t>(CopySteps(row_bytes));
+  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
+  *begin = first * kCopyStep;
+  *end = last * kCopyStep < row_bytes ? last * kCopyStep : row_bytes;
+}
+
+// "" when a launch of this many warp items can run.
+inline Status CheckItems(const char* op, int64_t items) {
+  if (items <= kMaxItems) return Status::Ok();
+  return Status::InvalidArgument(std::string(op) + ": this call needs " + std::to_string(items) +
+                                 " work items in one kernel, more than the " + std::to_string(kMaxItems) +
+                                 " the kernels count; use fewer tokens per call");
+}
+
+// A 16-byte load: from L2 for data peers stored during this kernel (staged), else a plain load.
+template <bool kStaged>
+__device__ inline uint4 Load16(const uint4* p) {
+  if constexpr (kStaged) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
+
+// 16-byte words each lane holds at once when a warp copies a token to its rows (2 KB per warp; 8 spill at 64
+// registers).
+constexpr int kPerLane = 4;
+
+// One warp writes `bytes` bytes of a token row to every row in rows[0:count) at out + row * row_stride;
+// src == nullptr writes zeros. Each part of the token is read once and stored to all of its rows.
+template <bool kStaged>
+__device__ inline void CopyToRows(const char* src, const int32_t* rows, int count, char* out, int64_t row_stride,
+                                  int64_t bytes, int lane) {
+  if (bytes % 16 != 0 || (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | row_stride) % 16) {
+    for (int j = 0; j < count; ++j) {
+      char* dst = out + rows[j] * row_stride;
+      for (int64_t b = lane; b < bytes; b += 32) dst[b] = src == nullptr ? 0 : (kStaged ? __ldcg(src + b) : src[b]);
+    }
+    return;
+  }
+  const int n = static_cast<int>(bytes / 16);
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  for (int base = 0; base < n; base += 32 * kPerLane) {
+    uint4 part[kPerLane];
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      const int i = base + lane + 32 * m;
+      part[m] = (i < n && s != nullptr) ? Load16<kStaged>(s + i) : make_uint4(0, 0, 0, 0);
+    }
+    for (int j = 0; j < count; ++j) {
+      uint4* d = reinterpret_cast<uint4*>(out + rows[j] * row_stride);
+#pragma unroll
+      for (int m = 0; m < kPerLane; ++m) {
+        const int i = base + lane + 32 * m;
+        if (i < n) d[i] = part[m];
+      }
+    }
+  }
+}
+
+// One warp copies one row (to a peer's staging, or locally).
+__device__ inline void CopyRow(const char* src, char* dst, int64_t bytes, int lane) {
+  const int32_t zero = 0;
+  CopyToRows<false>(src, &zero, 1, dst, 0, bytes, lane);
+}
+
+__device__ inline float ToFloat(float v) { return v; }
+__device__ inline float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float ToFloat(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ inline T FromFloat(float v);
+template <>
+__device__ inline float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+template <>
+__device__ inline __half FromFloat<__half>(float v) {
+  return __float2half(v);
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,339 @@
+// The XLA FFI handlers: check buffers and attributes, find this GPU's part of the group, launch. They never
+// throw; the library's Status becomes ffi::Error here, and only here. Handlers keep no per-call state on the
+// host, so XLA may capture them in command buffers (CUDA graphs).
+#include "handlers.h"
+
+#include <memory>
+#include <string>
+
+#include "../runtime/group.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// Aliases keep commas out of the handler-definition macros.
+using I32Scalar = ffi::Buffer<ffi::S32, 0>;
+using I32Vector = ffi::Buffer<ffi::S32, 1>;
+using I32Matrix = ffi::Buffer<ffi::S32, 2>;
+using I32Cube = ffi::Buffer<ffi::S32, 3>;
+using F32Vector = ffi::Buffer<ffi::F32, 1>;
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+using I32ScalarResult = ffi::ResultBuffer<ffi::S32, 0>;
+using I32VectorResult = ffi::ResultBuffer<ffi::S32, 1>;
+using I32MatrixResult = ffi::ResultBuffer<ffi::S32, 2>;
+using I32CubeResult = ffi::ResultBuffer<ffi::S32, 3>;
+using F32VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
+
+namespace jax_ep {
+
+// Per-executable state: the group it was compiled for.
+struct GroupState {
+  static ffi::TypeId id;
+  std::shared_ptr<Group> group;
+};
+ffi::TypeId GroupState::id = {};
+
+namespace {
+
+std::string Str(int64_t value) { return std::to_string(value); }
+
+ffi::Error ToFfi(const Status& status) {
+  switch (status.code) {
+    case StatusCode::kOk: return ffi::Error::Success();
+    case StatusCode::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message);
+    case StatusCode::kFailedPrecondition: return ffi::Error(ffi::ErrorCode::kFailedPrecondition, status.message);
+    case StatusCode::kResourceExhausted: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message);
+    case StatusCode::kDeadlineExceeded: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
+    case StatusCode::kInternal: return ffi::Error(ffi::ErrorCode::kInternal, status.message);
+  }
+  return ffi::Error(ffi::ErrorCode::kInternal, status.message);
+}
+
+ffi::ErrorOr<std::unique_ptr<GroupState>> Instantiate(ffi::Dictionary attrs) {
+  ffi::ErrorOr<int64_t> id = attrs.get<int64_t>("group");
+  if (id.has_error()) return ffi::Unexpected(id.error());
+  const int64_t group_id = *id;
+  std::shared_ptr<Group> group = FindGroup(group_id);
+  if (!group || !group->usable()) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      "jax_ep: backend='cuda' needs the jax_ep.Group this computation was traced "
+                                      "for (id " + Str(group_id) + "), which was finalized or never committed; call "
+                                      "jax_ep.initialize again and trace the computation again"));
+  }
+  return std::make_unique<GroupState>(GroupState{std::move(group)});
+}
+
+// This GPU's part of the group, after checking that the group is live and has recorded no failure.
+ffi::ErrorOr<std::shared_ptr<const DeviceResources>> FindDevice(const char* op, int32_t ordinal,
+                                                                const GroupState* state) {
+  if (!state->group->usable()) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      std::string(op) + ": the jax_ep.Group of this computation was finalized; "
+                                      "computations compiled before jax_ep.finalize must not run again"));
+  }
+  std::shared_ptr<const DeviceResources> device = state->group->Find(ordinal);
+  if (!device) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                      std::string(op) + ": GPU " + Str(ordinal) +
+                                          " is in no EP group of the mesh given to jax_ep.initialize"));
+  }
+  const std::string failure = device->Failure();
+  if (!failure.empty()) return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, failure));
+  state->group->CountLaunch();
+  return device;
+}
+
+// The swap with the ranks the GPU reaches through NCCL, for a launcher.
+NcclSwap SwapFor(const std::shared_ptr<const DeviceResources>& device, cudaStream_t stream) {
+  return [device, stream](int64_t region_bytes) -> Status {
+    if (!device->nccl) return Status::Internal("GPU " + Str(device->ordinal) + " has no NCCL link");
+    return device->nccl->Swap(region_bytes, stream);
+  };
+}
+
+ffi::Error Expect(const char* op, const char* what, bool ok, const std::string& expected, const std::string& got) {
+  if (ok) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what + " must be " + expected + ", got " + got);
+}
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + Str(dims[i]);
+  return text + "]";
+}
+
+ffi::ErrorOr<FloatType> TypeOf(const char* op, ffi::DataType type) {
+  switch (type) {
+    case ffi::F32: return FloatType::kF32;
+    case ffi::BF16: return FloatType::kBF16;
+    case ffi::F16: return FloatType::kF16;
+    default: break;
+  }
+  return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(op) + ": rows must be float32, bfloat16 or float16"));
+}
+
+#define JAX_EP_RETURN_IF_ERROR(expr)   \
+  do {                                 \
+    ffi::Error error_ = (expr);        \
+    if (error_.failure()) return error_; \
+  } while (0)
+
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts, bool expert_layout,
+                    int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx, F32Matrix topk_weights,
+                    I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out_x, F32VectorResult out_weights,
+                    I32VectorResult group_sizes, I32ScalarResult num_dropped, I32ScalarResult num_invalid,
+                    I32MatrixResult token_dest_pos, I32VectorResult send_counts, I32MatrixResult slot_dest,
+                    I32CubeResult recv_rows, I32VectorResult recv_counts, I32VectorResult row_slot) {
+  constexpr const char* kOp = "jax_ep_dispatch";
+  auto device = FindDevice(kOp, ordinal, state);
+  if (device.has_error()) return device.error();
+  const int64_t R = (*device)->num_ranks;
+  const auto x_dims = x.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "x", x_dims.size() == 2, "[T, H]", Dims(x_dims)));
+  const int64_t T = x_dims[0], K = topk_idx.dimensions()[1];
+  const int64_t row_bytes = T == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / T;
+  const int64_t N = out_weights->element_count();
+  const int64_t L = num_experts / R;
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "topk_idx", topk_idx.dimensions()[0] == T, "[T=" + Str(T) + ", K]",
+                                Dims(topk_idx.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "topk_weights", topk_weights.element_count() == static_cast<size_t>(T * K),
+                                "[T, K]", Dims(topk_weights.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out x", out_x->size_bytes() == static_cast<size_t>(N * row_bytes),
+                                Str(N) + " rows of " + Str(row_bytes) + " bytes", Str(out_x->size_bytes()) + " bytes"));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "group_sizes", group_sizes->element_count() == static_cast<size_t>(L),
+                                "[L=" + Str(L) + "]", Dims(group_sizes->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos->element_count() == static_cast<size_t>(T * R),
+                                "[T, R=" + Str(R) + "] (R: the group's size)", Dims(token_dest_pos->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", recv_rows->element_count() == static_cast<size_t>(R * T * K),
+                                "[R, T, K]", Dims(recv_rows->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "row_slot", row_slot->element_count() == static_cast<size_t>(N), "[N]",
+                                Dims(row_slot->dimensions())));
+  DispatchCall call{};
+  call.x = static_cast<const char*>(x.untyped_data());
+  call.topk_idx = topk_idx.typed_data();
+  call.topk_weights = topk_weights.typed_data();
+  call.axis_index = axis_index.typed_data();
+  call.num_tokens = T;
+  call.row_bytes = row_bytes;
+  call.topk = K;
+  call.num_experts = num_experts;
+  call.capacity = capacity;
+  call.alignment = alignment;
+  call.num_rows = N;
+  call.expert_layout = expert_layout;
+  call.out_x = static_cast<char*>(out_x->untyped_data());
+  call.out_weights = out_weights->typed_data();
+  call.group_sizes = group_sizes->typed_data();
+  call.num_dropped = num_dropped->typed_data();
+  call.num_invalid = num_invalid->typed_data();
+  call.token_dest_pos = token_dest_pos->typed_data();
+  call.send_counts = send_counts->typed_data();
+  call.slot_dest = slot_dest->typed_data();
+  call.recv_rows = recv_rows->typed_data();
+  call.recv_counts = recv_counts->typed_data();
+  call.row_slot = row_slot->typed_data();
+  const Status status = LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream);
+  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+}
+
+ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer x,
+                        I32Matrix token_dest_pos, I32Cube recv_rows, I32Vector recv_counts, I32Scalar axis_index,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kOp = "jax_ep_dispatch_rows";
+  auto device = FindDevice(kOp, ordinal, state);
+  if (device.has_error()) return device.error();
+  const int64_t R = (*device)->num_ranks;
+  const auto x_dims = x.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "x", x_dims.size() == 2, "[T, H]", Dims(x_dims)));
+  const int64_t T = x_dims[0];
+  const int64_t row_bytes = T == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / T;
+  const auto rows_dims = recv_rows.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", rows_dims[0] == R && rows_dims[1] == T,
+                                "[R=" + Str(R) + ", T=" + Str(T) + ", K]", Dims(rows_dims)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos.element_count() == static_cast<size_t>(T * R),
+                                "[T, R]", Dims(token_dest_pos.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_counts", recv_counts.element_count() == static_cast<size_t>(R), "[R]",
+                                Dims(recv_counts.dimensions())));
+  const int64_t N = row_bytes == 0 ? 0 : static_cast<int64_t>(out->size_bytes()) / row_bytes;
+  DispatchRowsCall call{};
+  call.x = static_cast<const char*>(x.untyped_data());
+  call.axis_index = axis_index.typed_data();
+  call.token_dest_pos = token_dest_pos.typed_data();
+  call.recv_rows = recv_rows.typed_data();
+  call.recv_counts = recv_counts.typed_data();
+  call.num_tokens = T;
+  call.row_bytes = row_bytes;
+  call.topk = rows_dims[2];
+  call.num_rows = N;
+  call.out_rows = static_cast<char*>(out->untyped_data());
+  const Status status = LaunchDispatchRows(call, (*device)->View(), SwapFor(*device, stream), stream);
+  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+}
+
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
+                   F32Vector weights, F32Vector row_values, I32Cube recv_rows, I32Vector recv_counts,
+                   I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> slot_values) {
+  constexpr const char* kOp = "jax_ep_combine";
+  auto device = FindDevice(kOp, ordinal, state);
+  if (device.has_error()) return device.error();
+  auto type = TypeOf(kOp, y.element_type());
+  if (type.has_error()) return type.error();
+  const int64_t R = (*device)->num_ranks;
+  const auto y_dims = y.dimensions();
+  const auto rows_dims = recv_rows.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "y", y_dims.size() == 2, "[N, H]", Dims(y_dims)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", rows_dims[0] == R, "[R=" + Str(R) + ", T, K]", Dims(rows_dims)));
+  const int64_t N = y_dims[0], H = y_dims[1], T = rows_dims[1], K = rows_dims[2];
+  const bool has_weights = weights.element_count() != 0, has_values = row_values.element_count() != 0;
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", !has_weights || weights.element_count() == static_cast<size_t>(N),
+                                "[N=" + Str(N) + "] or empty", Dims(weights.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "row_values",
+                                !has_values || row_values.element_count() == static_cast<size_t>(N),
+                                "[N=" + Str(N) + "] or empty", Dims(row_values.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos.element_count() == static_cast<size_t>(T * R),
+                                "[T, R]", Dims(token_dest_pos.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_dest", slot_dest.element_count() == static_cast<size_t>(T * K), "[T, K]",
+                                Dims(slot_dest.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_counts", recv_counts.element_count() == static_cast<size_t>(R), "[R]",
+                                Dims(recv_counts.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out->element_count() == static_cast<size_t>(T * H) &&
+                                    out->element_type() == y.element_type(),
+                                "[T, H] of y's dtype", Dims(out->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values",
+                                !has_values || slot_values->element_count() == static_cast<size_t>(T * K),
+                                "[T, K] with row_values", Dims(slot_values->dimensions())));
+  CombineCall call{};
+  call.y = y.untyped_data();
+  call.weights = has_weights ? weights.typed_data() : nullptr;
+  call.row_values = has_values ? row_values.typed_data() : nullptr;
+  call.axis_index = axis_index.typed_data();
+  call.recv_rows = recv_rows.typed_data();
+  call.recv_counts = recv_counts.typed_data();
+  call.token_dest_pos = token_dest_pos.typed_data();
+  call.slot_dest = slot_dest.typed_data();
+  call.num_tokens = T;
+  call.hidden = H;
+  call.topk = K;
+  call.type = *type;
+  call.partial_f32 = partial_f32;
+  call.out = out->untyped_data();
+  call.slot_values = has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr;
+  const Status status = LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream);
+  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInstantiate, jax_ep::Instantiate,
+                              ffi::Ffi::BindInstantiate().Attrs());  // "group": the jax_ep.Group's id
+
+constexpr auto kCommandBuffers = ffi::Traits::kCmdBufferCompatible;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ep::GroupState>>()
+                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                                  .Attr<int64_t>("num_experts")  // E
+                                  .Attr<bool>("expert_layout")   // layout "expert" (else "ragged")
+                                  .Attr<int64_t>("capacity")     // C
+                                  .Attr<int64_t>("alignment")    // expert_alignment
+                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
+                                  .Arg<I32Matrix>()              // topk_idx [T, K]
+                                  .Arg<F32Matrix>()              // topk_weights [T, K]
+                                  .Arg<I32Scalar>()              // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()         // x rows [N, H]
+                                  .Ret<F32Vector>()              // weights [N]
+                                  .Ret<I32Vector>()              // group_sizes [L]
+                                  .Ret<I32Scalar>()              // num_dropped
+                                  .Ret<I32Scalar>()              // num_invalid
+                                  .Ret<I32Matrix>()              // token_dest_pos [T, R]
+                                  .Ret<I32Vector>()              // send_counts [R]
+                                  .Ret<I32Matrix>()              // slot_dest [T, K]
+                                  .Ret<I32Cube>()                // recv_rows [R, T, K]
+                                  .Ret<I32Vector>()              // recv_counts [R]
+                                  .Ret<I32Vector>(),             // row_slot [N]
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRows, jax_ep::DispatchRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ep::GroupState>>()
+                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                                  .Arg<ffi::AnyBuffer>()  // x [T, H]
+                                  .Arg<I32Matrix>()       // token_dest_pos [T, R]
+                                  .Arg<I32Cube>()         // recv_rows [R, T, K]
+                                  .Arg<I32Vector>()       // recv_counts [R]
+                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>(),  // rows [N, H]: held rows only
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<jax_ep::GroupState>>()
+                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                                  .Attr<bool>("partial_f32")  // partial sums travel as float32, else in y's dtype
+                                  .Arg<ffi::AnyBuffer>()      // y [N, H]
+                                  .Arg<F32Vector>()           // weights [N], or [0] for weight 1
+                                  .Arg<F32Vector>()           // row_values [N], or [0]
+                                  .Arg<I32Cube>()             // recv_rows [R, T, K]
+                                  .Arg<I32Vector>()           // recv_counts [R]
+                                  .Arg<I32Matrix>()           // token_dest_pos [T, R]
+                                  .Arg<I32Matrix>()           // slot_dest [T, K]
+                                  .Arg<I32Scalar>()           // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()      // out [T, H]
+                                  .Ret<ffi::AnyBuffer>(),     // slot values [T, K] with row_values, else [0]
+                              {kCommandBuffers});
+
+extern "C" XLA_FFI_TypeId* JaxEpGroupStateTypeId() { return &jax_ep::GroupState::id; }
+
+extern "C" const XLA_FFI_TypeInfo* JaxEpGroupStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<jax_ep::GroupState>();
+  return &info;
+}
