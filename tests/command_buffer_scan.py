@@ -7,7 +7,8 @@ Each step dispatches this rank's tokens with a routing that changes every step, 
 sets XLA_FLAGS so that XLA captures custom calls in command buffers (CUDA graphs) and checks that it did: the
 FFI handlers run only when XLA records a graph, so they launch the calls fewer times than the calls run
 ("captured: ..."). It compares every step's loss and the final scales with ``reference_scan`` (float64 NumPy
-over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the same scan with two processes sharing one GPU.
+over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the same
+scan with two processes sharing one GPU.
 """
 
 from __future__ import annotations
