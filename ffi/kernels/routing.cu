@@ -10,7 +10,9 @@
 
 namespace jax_ep {
 
-constexpr int kBatchesPerWarp = 8;  // a warp ranks at most 8 x 32 slots of a chunk
+// A warp ranks at most 2 x 32 slots of a chunk: small chunks spread the kernel, which is latency-bound, over
+// many SMs (T=4096, K=8: 16 blocks).
+constexpr int kBatchesPerWarp = 2;
 constexpr int kRoutingSharedBytes = 96 * 1024;
 
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
@@ -31,6 +33,25 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 namespace {
 
 __device__ inline unsigned LanesBelow(int lane) { return (1u << lane) - 1; }
+
+// Exclusive prefix, in place, of the `count` values at values[c * stride]; returns their total. Eight loads go
+// out at once (from L2: other blocks wrote them), since the last block's pass waits on memory, not arithmetic.
+__device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t count) {
+  int32_t running = 0;
+  for (int64_t c0 = 0; c0 < count; c0 += 8) {
+    int32_t loaded[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) loaded[j] = c0 + j < count ? __ldcg(values + (c0 + j) * stride) : 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (c0 + j < count) {
+        values[(c0 + j) * stride] = running;
+        running += loaded[j];
+      }
+    }
+  }
+  return running;
+}
 
 __global__ void __launch_bounds__(kThreads)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
@@ -179,28 +200,15 @@ __global__ void __launch_bounds__(kThreads)
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<false>(done)) return;
-  volatile int32_t* shared = scratch;
   for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int32_t running = 0;
-    for (int64_t c = 0; c < s.chunks; ++c) {
-      const int32_t count = shared[s.chunk_expert + c * num_experts + e];
-      shared[s.chunk_expert + c * num_experts + e] = running;
-      running += count;
-    }
-    scratch[s.expert_count + e] = running;
+    scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks);
   }
   for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-    int32_t running = 0;
-    for (int64_t c = 0; c < s.chunks; ++c) {
-      const int32_t count = shared[s.chunk_rank + c * num_ranks + d];
-      shared[s.chunk_rank + c * num_ranks + d] = running;
-      running += count;
-    }
-    scratch[s.rank_count + d] = running;
+    scratch[s.rank_count + d] = PrefixInPlace(scratch + s.chunk_rank + d, num_ranks, s.chunks);
   }
   if (threadIdx.x == 0) {
     int32_t total = 0;
-    for (int64_t c = 0; c < s.chunks; ++c) total += shared[s.chunk_invalid + c];
+    for (int64_t c = 0; c < s.chunks; ++c) total += __ldcg(scratch + s.chunk_invalid + c);
     scratch[s.num_invalid] = total;
   }
 }
