@@ -2,8 +2,9 @@
 axis, :func:`finalize` releases it. Nothing is allocated or synchronized while a computation runs.
 
 A :class:`Group` serves one mesh axis (found by its name at trace time); several groups, for different axes
-or meshes, can live in one process. Everything per call (sequence numbers, flags, the abort word, the
-timeout) lives in the group's device memory, so the calls can be captured in XLA command buffers.
+or meshes, can live in one process. Everything that changes from call to call (call numbers, flags, the
+abort word) lives in the group's device memory, and the timeout in the group's fixed kernel arguments, not
+in the traced program, so the calls can be captured in XLA command buffers.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def buffer_size_hint(
     their cotangents, and combine's partial sums (float32 with
     ``partial_dtype=jnp.float32``). Two halves, so a call never overwrites what
     a peer may still read of the call before:
-    ``2 * R * (16 * ceil((L + 1) / 4) + T * K * 12 + T * ceil16(H * itemsize))``.
+    ``2 * R * (16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``.
     """
     local_experts = max(num_experts // num_ranks, 1)
     stride = -(-_row_bytes(hidden, dtype) // 16) * 16
