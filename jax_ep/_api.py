@@ -98,6 +98,9 @@ def dispatch(
             layout=layout,
             expert_alignment=expert_alignment,
         )
+    # Alignment beyond the capacity pads nothing more (every row past C is cut): the same layout, and segment
+    # starts that stay small.
+    expert_alignment = min(expert_alignment, capacity)
     resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
     config = Config(
         axis_name=axis_name,

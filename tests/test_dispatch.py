@@ -273,3 +273,16 @@ def test_handle_slot_dest_keeps_dropped_slots_rank(layout):
     want = np.where(valid, idx // (E // num_ranks), -1).astype(np.int32)
     assert_bits_equal(slot_dest, want)
     assert all(slot_dest[slot] >= 0 for slot in ref.dropped)
+
+
+def test_alignment_beyond_capacity_pads_nothing_more():
+    """An expert_alignment far past the capacity (2**30) gives the layout of alignment == capacity, without
+    overflowing the segment starts: every row past C is cut either way."""
+    num_ranks, capacity = 2, 6
+    rng = np.random.default_rng(31)
+    x, weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = routing(rng, "invalid", num_ranks, T, K, E)
+    huge = run_dispatch(x, idx, weights, num_experts=E, capacity=capacity, expert_alignment=2**30)
+    want = reference.dispatch(x, idx, weights, num_experts=E, capacity=capacity, expert_alignment=capacity)
+    assert_dispatch_equal(huge, want)
+    assert np.all(huge.group_sizes >= 0) and np.all(huge.group_sizes.sum(axis=1) <= capacity)

@@ -71,9 +71,19 @@ __device__ inline StagedSlot SlotFor(const DispatchParams& p, const int32_t* scr
                     weight};
 }
 
-__device__ inline StagedSlot LoadStagedSlot(const StagedSlot* slot) {
+// A slot as a peer staged it. Values outside what a sender can write (a region left from another call after a
+// failure) become "not for this rank", so they can never index out of bounds.
+__device__ inline StagedSlot LoadStagedSlot(const StagedSlot* slot, int64_t local_experts) {
   const int32_t* words = reinterpret_cast<const int32_t*>(slot);
-  return StagedSlot{__ldcg(words), __ldcg(words + 1), __int_as_float(__ldcg(words + 2))};
+  const StagedSlot s{__ldcg(words), __ldcg(words + 1), __int_as_float(__ldcg(words + 2))};
+  if (s.local_expert < 0 || s.local_expert >= local_experts || s.rank < 0) return StagedSlot{-1, 0, 0.0f};
+  return s;
+}
+
+// A count as a peer staged it, kept within [0, most].
+__device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
+  const int32_t value = __ldcg(count);
+  return value < 0 ? 0 : (value > most ? static_cast<int32_t>(most) : value);
 }
 
 // Fills `bytes` at p with 0xff (NaN in every float type, -1 in int32), grid-stride over all threads.
@@ -125,14 +135,15 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
     int32_t running = 0;
     for (int r = 0; r < R; ++r) {
-      const int32_t count = r == me ? scratch[p.s.expert_count + me * L + l] : __ldcg(counts_from(r) + l);
+      const int32_t count = r == me ? scratch[p.s.expert_count + me * L + l]
+                                    : StagedCount(counts_from(r) + l, p.num_tokens * p.topk);
       t.start[r * L + l] = running;
       running += count;
     }
     t.total[l] = running;
   }
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
-    t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : __ldcg(counts_from(r) + L);
+    t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : StagedCount(counts_from(r) + L, p.num_tokens);
   }
   __syncthreads();
   if (p.expert_layout) {
@@ -354,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
       } else if (i < recv_count[source]) {
         const char* region = RegionFrom(g, call, source, p.region.bytes);
         const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
-        auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k); };
+        auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
         Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
       }
     }

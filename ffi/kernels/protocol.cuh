@@ -97,7 +97,13 @@ __device__ inline bool Aborted(const GroupView& g, const Call& call) {
     Report(g, call, word, 0);
     return true;
   }
-  return g.nccl_ranks != 0 && reinterpret_cast<volatile HostStatus*>(g.status)->code != 0;
+  if (g.nccl_ranks == 0) return false;
+  const volatile HostStatus* status = g.status;
+  if (status->code == 0) return false;
+  // The watchdog recorded a failed NCCL swap on the host: set the abort word too, so that this GPU's later
+  // calls and its peer-store peers give up as well.
+  Fail(g, call, status->code, status->peer, 0);
+  return true;
 }
 
 // Block-wide: whether this call may go on. Call at a kernel's start, by every block.
@@ -148,7 +154,7 @@ __device__ inline void SignalSent(const GroupView& g, const Call& call) {
     reinterpret_cast<volatile HostStatus*>(g.status)->nccl_started = call.number;
     __threadfence_system();
   }
-  if (Volatile(&g.signals->abort) != 0) return;  // a block of this call gave up: its data is not there
+  if (Aborted(g, call)) return;  // a block of this call gave up, or will: its data is not there
   for (int r = 0; r < g.num_ranks; ++r) {
     if (r != g.rank && !ByNccl(g.nccl_ranks, r)) StoreRelease(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
   }

@@ -140,8 +140,22 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int
                                 "[T, K]", Dims(topk_weights.dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out x", out_x->size_bytes() == static_cast<size_t>(N * row_bytes),
                                 Str(N) + " rows of " + Str(row_bytes) + " bytes", Str(out_x->size_bytes()) + " bytes"));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "num_experts", num_experts >= R && num_experts % R == 0,
+                                "a positive multiple of R=" + Str(R), Str(num_experts)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "capacity", capacity >= 1 && alignment >= 1, "positive, as its alignment",
+                                Str(capacity) + " and " + Str(alignment)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", N == (expert_layout ? L * capacity : capacity),
+                                "[N] with N = " + std::string(expert_layout ? "L * C" : "C") + " = " +
+                                    Str(expert_layout ? L * capacity : capacity),
+                                Dims(out_weights->dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "group_sizes", group_sizes->element_count() == static_cast<size_t>(L),
                                 "[L=" + Str(L) + "]", Dims(group_sizes->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "send_counts and recv_counts",
+                                send_counts->element_count() == static_cast<size_t>(R) &&
+                                    recv_counts->element_count() == static_cast<size_t>(R),
+                                "[R=" + Str(R) + "]", Dims(send_counts->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_dest", slot_dest->element_count() == static_cast<size_t>(T * K), "[T, K]",
+                                Dims(slot_dest->dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos->element_count() == static_cast<size_t>(T * R),
                                 "[T, R=" + Str(R) + "] (R: the group's size)", Dims(token_dest_pos->dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", recv_rows->element_count() == static_cast<size_t>(R * T * K),
