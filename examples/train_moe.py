@@ -10,7 +10,7 @@ cross-entropy on those tokens falls from about ln(VOCAB).
 
 Runs on all GPUs when there are some, else on 8 simulated CPU devices; the
 batch and the experts are sharded over the mesh axis "ep". Needs flax, optax,
-tqdm and matplotlib (``pip install "jax_ep[nn]"``).
+tqdm and matplotlib (``python -m pip install --no-build-isolation -e ".[nn]"``).
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """A Flax NNX mixture-of-experts layer whose experts are spread over a mesh axis with jax_ep.
 
-Needs flax (``pip install "jax_ep[nn]"``); ``import jax_ep`` does not import it.
+Needs flax (``python -m pip install --no-build-isolation -e ".[nn]"``); ``import jax_ep`` does not import it.
 """
 
 from __future__ import annotations
