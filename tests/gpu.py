@@ -13,11 +13,11 @@ def gpu_devices() -> list:
 
 def require_cuda(min_gpus: int = 1):
     """A pytest mark that skips unless ``min_gpus`` GPUs and the CUDA extension are here."""
-    from jax_ep import _group as _cuda
+    from jax_ep import _group
 
     count = len(gpu_devices())
     return pytest.mark.skipif(
-        count < min_gpus or not _cuda.available(),
+        count < min_gpus or not _group.available(),
         reason=f"needs {min_gpus} NVIDIA GPU(s) and the CUDA extension (have {count} GPU(s); "
-        f"{_cuda.unavailable_reason() or 'extension loaded'})",
+        f"{_group.unavailable_reason() or 'extension loaded'})",
     )
