@@ -11,10 +11,6 @@
 
 namespace jax_ep {
 
-int64_t CombineHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t partial_row_bytes) {
-  return num_ranks * CombineRegion(num_tokens, topk, partial_row_bytes).bytes;
-}
-
 namespace {
 
 struct CombineParams {
@@ -258,7 +254,7 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks);
   p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
   const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
-  const Status checked = CheckItems("jax_ep_combine", std::max(send_items, recv_items));
+  const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
@@ -279,7 +275,7 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
 
 Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
   if (c.topk > kMaxTopk) {
-    return Status::InvalidArgument("jax_ep_combine: topk must be at most " + std::to_string(kMaxTopk) + ", got " +
+    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
                                    std::to_string(c.topk));
   }
   const int64_t item = c.type == FloatType::kF32 || c.partial_f32 ? 4 : 2;
@@ -298,15 +294,8 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
   p.out = c.out;
   p.slot_values = c.slot_values;
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
-  const int64_t need = g.num_ranks * p.region.bytes;
-  if (need > g.half_bytes) {
-    return Status::Error(StatusCode::kResourceExhausted,
-                         "jax_ep_combine: this call needs " + std::to_string(need) +
-                             " bytes of staging per half on each GPU, but jax_ep.initialize reserved " +
-                             std::to_string(g.half_bytes) +
-                             "; initialize with larger sizes (see jax_ep.buffer_size_hint; float32 partial sums "
-                             "need dtype=jnp.float32)");
-  }
+  const Status staging = CheckStaging(p.region.bytes, g);
+  if (!staging.ok()) return staging;
   switch (c.type) {
     case FloatType::kF32:
       return Run<float, float>(p, g, swap, stream);
@@ -316,7 +305,7 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
     case FloatType::kF16:
       return c.partial_f32 ? Run<__half, float>(p, g, swap, stream) : Run<__half, __half>(p, g, swap, stream);
   }
-  return Status::InvalidArgument("jax_ep_combine: unknown float type");
+  return Status::InvalidArgument("unknown float type");
 }
 
 }  // namespace jax_ep

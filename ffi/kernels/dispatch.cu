@@ -12,11 +12,6 @@
 
 namespace jax_ep {
 
-int64_t DispatchHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t local_experts,
-                          int64_t row_bytes) {
-  return num_ranks * DispatchRegion(num_tokens, topk, local_experts, row_bytes).bytes;
-}
-
 namespace {
 
 constexpr int kTableSharedBytes = 96 * 1024;
@@ -415,11 +410,18 @@ Status LaunchStatus(const char* kernel) {
   return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
 }
 
-Status TooLarge(const char* op, int64_t need, int64_t have) {
-  return Status::Error(StatusCode::kResourceExhausted,
-                       std::string(op) + ": this call needs " + std::to_string(need) +
-                           " bytes of staging per half on each GPU, but jax_ep.initialize reserved " +
-                           std::to_string(have) + "; initialize with larger sizes (see jax_ep.buffer_size_hint)");
+// What both dispatch launchers check and plan: the call's regions fit a staging half, each phase's pieces per row,
+// and its warp items (the receive phase has `extra_receive_items` more: the routing mode's row items).
+Status Plan(DispatchParams* p, int64_t extra_receive_items, const GroupView& g, int64_t* send_items,
+            int64_t* recv_items) {
+  Status status = CheckStaging(p->region.bytes, g);
+  if (!status.ok()) return status;
+  const int64_t steps = CopySteps(p->row_bytes), units = p->num_tokens * g.num_ranks;
+  p->send_pieces = PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks);
+  p->recv_pieces = PiecesPerRow(units, steps, g.max_blocks);
+  *send_items = units * p->send_pieces;
+  *recv_items = units * p->recv_pieces + extra_receive_items;
+  return CheckItems(std::max(*send_items, *recv_items));
 }
 
 // Runs the kernel fused, or (with NCCL ranks) as a send launch, the NCCL swap and a receive launch.
@@ -450,7 +452,7 @@ Status Run(DispatchParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
 Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
   const int R = g.num_ranks;
   if (c.num_experts > kMaxExperts || c.num_experts % R != 0 || c.topk > kMaxTopk) {
-    return Status::InvalidArgument("jax_ep_dispatch: num_experts must be a multiple of R=" + std::to_string(R) +
+    return Status::InvalidArgument("num_experts must be a multiple of R=" + std::to_string(R) +
                                    " and at most " + std::to_string(kMaxExperts) + ", and topk at most " +
                                    std::to_string(kMaxTopk) + "; got num_experts=" + std::to_string(c.num_experts) +
                                    ", topk=" + std::to_string(c.topk));
@@ -482,17 +484,13 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.recv_counts = c.recv_counts;
   p.row_slot = c.row_slot;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
-  if (R * p.region.bytes > g.half_bytes) return TooLarge("jax_ep_dispatch", R * p.region.bytes, g.half_bytes);
   const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
   if (shared > static_cast<size_t>(kTableSharedBytes)) {
-    return Status::InvalidArgument("jax_ep_dispatch: the receivers' row tables need " + std::to_string(shared) +
+    return Status::InvalidArgument("the receivers' row tables need " + std::to_string(shared) +
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
   }
-  const int64_t steps = CopySteps(c.row_bytes);
-  p.send_pieces = PiecesPerRow(c.num_tokens * (R - 1), steps, g.max_blocks);
-  p.recv_pieces = PiecesPerRow(c.num_tokens * R, steps, g.max_blocks);
-  const int64_t send_items = c.num_tokens * R * p.send_pieces, recv_items = c.num_tokens * R * p.recv_pieces + c.num_rows;
-  Status status = CheckItems("jax_ep_dispatch", std::max(send_items, recv_items));
+  int64_t send_items, recv_items;
+  Status status = Plan(&p, c.num_rows, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   if (!(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
     return status;
@@ -501,7 +499,6 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
 }
 
 Status LaunchDispatchRows(const DispatchRowsCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
-  const int R = g.num_ranks;
   DispatchParams p{};
   p.x = c.x;
   p.axis_index = c.axis_index;
@@ -514,16 +511,12 @@ Status LaunchDispatchRows(const DispatchRowsCall& c, const GroupView& g, const N
   p.given_counts = c.recv_counts;
   p.out_x = c.out_rows;
   p.region = DispatchRegion(c.num_tokens, c.topk, 0, c.row_bytes);
-  if (R * p.region.bytes > g.half_bytes) return TooLarge("jax_ep_dispatch_rows", R * p.region.bytes, g.half_bytes);
-  const int64_t steps = CopySteps(c.row_bytes);
-  p.send_pieces = PiecesPerRow(c.num_tokens * (R - 1), steps, g.max_blocks);
-  p.recv_pieces = PiecesPerRow(c.num_tokens * R, steps, g.max_blocks);
   if (c.topk > kMaxTopk) {
-    return Status::InvalidArgument("jax_ep_dispatch_rows: topk must be at most " + std::to_string(kMaxTopk) +
-                                   ", got " + std::to_string(c.topk));
+    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
+                                   std::to_string(c.topk));
   }
-  const int64_t send_items = c.num_tokens * R * p.send_pieces, recv_items = c.num_tokens * R * p.recv_pieces;
-  const Status status = CheckItems("jax_ep_dispatch_rows", std::max(send_items, recv_items));
+  int64_t send_items, recv_items;
+  const Status status = Plan(&p, 0, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   return Run<false>(p, g, swap, stream, send_items, recv_items, 0);
 }

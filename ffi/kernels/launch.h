@@ -168,11 +168,6 @@ struct CombineCall {
 };
 Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream);
 
-// Bytes of a staging half a call needs (the launchers check it against GroupView::half_bytes).
-int64_t DispatchHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t local_experts,
-                          int64_t row_bytes);
-int64_t CombineHalfBytes(int num_ranks, int64_t num_tokens, int64_t topk, int64_t partial_row_bytes);
-
 // Sets the kernels' shared-memory limits; once per process, before any launch.
 Status PrepareKernels();
 

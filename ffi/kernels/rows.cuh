@@ -66,12 +66,23 @@ __device__ inline void PieceBytes(int64_t row_bytes, int pieces, int piece, int6
   *end = last * kCopyStep < row_bytes ? last * kCopyStep : row_bytes;
 }
 
-// "" when a launch of this many warp items can run.
-inline Status CheckItems(const char* op, int64_t items) {
+// Whether a launch of this many warp items can run.
+inline Status CheckItems(int64_t items) {
   if (items <= kMaxItems) return Status::Ok();
-  return Status::InvalidArgument(std::string(op) + ": this call needs " + std::to_string(items) +
-                                 " work items in one kernel, more than the " + std::to_string(kMaxItems) +
-                                 " the kernels count; use fewer tokens per call");
+  return Status::InvalidArgument("this call needs " + std::to_string(items) + " work items in one kernel, more than the " +
+                                 std::to_string(kMaxItems) + " the kernels count; use fewer tokens per call");
+}
+
+// Whether a call's regions of `region_bytes` for every rank fit in a staging half of the group.
+inline Status CheckStaging(int64_t region_bytes, const GroupView& group) {
+  const int64_t need = group.num_ranks * region_bytes;
+  if (need <= group.half_bytes) return Status::Ok();
+  return Status::Error(StatusCode::kResourceExhausted,
+                       "this call needs " + std::to_string(need) +
+                           " bytes of staging per half on each GPU, but jax_ep.initialize reserved " +
+                           std::to_string(group.half_bytes) +
+                           "; initialize with larger sizes (see jax_ep.buffer_size_hint; float32 partial sums need "
+                           "dtype=jnp.float32)");
 }
 
 // A 16-byte load: from L2 for data peers stored during this kernel (staged), else a plain load.

@@ -37,16 +37,18 @@ namespace {
 
 std::string Str(int64_t value) { return std::to_string(value); }
 
-ffi::Error ToFfi(const Status& status) {
+// A launcher's Status as the handler's error: the message prefixed with the op's name.
+ffi::Error ToFfi(const char* op, const Status& status) {
+  const std::string message = std::string(op) + ": " + status.message;
   switch (status.code) {
     case StatusCode::kOk: return ffi::Error::Success();
-    case StatusCode::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message);
-    case StatusCode::kFailedPrecondition: return ffi::Error(ffi::ErrorCode::kFailedPrecondition, status.message);
-    case StatusCode::kResourceExhausted: return ffi::Error(ffi::ErrorCode::kResourceExhausted, status.message);
-    case StatusCode::kDeadlineExceeded: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
-    case StatusCode::kInternal: return ffi::Error(ffi::ErrorCode::kInternal, status.message);
+    case StatusCode::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+    case StatusCode::kFailedPrecondition: return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+    case StatusCode::kResourceExhausted: return ffi::Error(ffi::ErrorCode::kResourceExhausted, message);
+    case StatusCode::kDeadlineExceeded: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+    case StatusCode::kInternal: return ffi::Error(ffi::ErrorCode::kInternal, message);
   }
-  return ffi::Error(ffi::ErrorCode::kInternal, status.message);
+  return ffi::Error(ffi::ErrorCode::kInternal, message);
 }
 
 ffi::ErrorOr<std::unique_ptr<GroupState>> Instantiate(ffi::Dictionary attrs) {
@@ -186,8 +188,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int
   call.recv_rows = recv_rows->typed_data();
   call.recv_counts = recv_counts->typed_data();
   call.row_slot = row_slot->typed_data();
-  const Status status = LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream);
-  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+  return ToFfi(kOp, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream));
 }
 
 ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer x,
@@ -220,8 +221,7 @@ ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, GroupState* state,
   call.topk = rows_dims[2];
   call.num_rows = N;
   call.out_rows = static_cast<char*>(out->untyped_data());
-  const Status status = LaunchDispatchRows(call, (*device)->View(), SwapFor(*device, stream), stream);
-  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+  return ToFfi(kOp, LaunchDispatchRows(call, (*device)->View(), SwapFor(*device, stream), stream));
 }
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
@@ -273,8 +273,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int6
   call.partial_f32 = partial_f32;
   call.out = out->untyped_data();
   call.slot_values = has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr;
-  const Status status = LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream);
-  return status.ok() ? ffi::Error::Success() : ToFfi(Status::Error(status.code, std::string(kOp) + ": " + status.message));
+  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream));
 }
 
 }  // namespace
@@ -285,12 +284,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInstantiate, jax_ep::Instantiate,
 
 constexpr auto kCommandBuffers = ffi::Traits::kCmdBufferCompatible;
 
+// What every execute handler binds first: XLA's stream, the GPU, the group of the executable and its id.
+auto BindGroupCall() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<jax_ep::GroupState>>()
+      .Attr<int64_t>("group");  // the jax_ep.Group's id (read by the instantiate stage)
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::GroupState>>()
-                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                              BindGroupCall()
                                   .Attr<int64_t>("num_experts")  // E
                                   .Attr<bool>("expert_layout")   // layout "expert" (else "ragged")
                                   .Attr<int64_t>("capacity")     // C
@@ -313,11 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRows, jax_ep::DispatchRows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::GroupState>>()
-                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                              BindGroupCall()
                                   .Arg<ffi::AnyBuffer>()  // x [T, H]
                                   .Arg<I32Matrix>()       // token_dest_pos [T, R]
                                   .Arg<I32Cube>()         // recv_rows [R, T, K]
@@ -327,11 +327,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRows, jax_ep::DispatchRows,
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<jax_ep::GroupState>>()
-                                  .Attr<int64_t>("group")  // the jax_ep.Group's id (read by the instantiate stage)
+                              BindGroupCall()
                                   .Attr<bool>("partial_f32")  // partial sums travel as float32, else in y's dtype
                                   .Arg<ffi::AnyBuffer>()      // y [N, H]
                                   .Arg<F32Vector>()           // weights [N], or [0] for weight 1
