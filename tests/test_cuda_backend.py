@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gpu import gpu_devices, require_cuda
+from helpers import assert_bits_equal, specified
 from jax.sharding import PartitionSpec as P
 
 pytestmark = require_cuda()
@@ -103,14 +104,6 @@ def _run(mesh, backend, x, idx, w, partial_dtype=None, **kw):
         return jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
 
 
-def _specified(x, group_sizes, layout):
-    """Dispatched rows the contract specifies: all of them, except the ragged tail past sum(group_sizes)."""
-    x = np.asarray(x.astype(jnp.float32))
-    if layout == "expert":
-        return x
-    return [rank_x[: int(sizes.sum())] for rank_x, sizes in zip(x, np.asarray(group_sizes), strict=True)]
-
-
 CASES = [
     # kind, tokens, hidden, topk, experts, layout, capacity, alignment
     ("uniform", 512, 7168, 8, 256, "ragged", None, 1),
@@ -129,15 +122,12 @@ def test_cuda_matches_xla(mesh, dtype, kind, tokens, hidden, topk, experts, layo
     x, idx, w = _inputs(mesh, kind, tokens, hidden, topk, experts, dtype, seed=tokens + hidden)
     kw = dict(num_experts=experts, layout=layout, capacity=capacity, expert_alignment=alignment)
     for partial in (None, jnp.float32):
-        _assert_same(
-            _run(mesh, "cuda", x, idx, w, partial, **kw), _run(mesh, "xla", x, idx, w, partial, **kw), dtype, layout
-        )
+        _assert_same(_run(mesh, "cuda", x, idx, w, partial, **kw), _run(mesh, "xla", x, idx, w, partial, **kw), dtype)
 
 
-def _assert_same(cuda, xla, dtype, layout):
+def _assert_same(cuda, xla, dtype):
     """Dispatch outputs and handle bit for bit (the ragged tail excepted); combine within the partials' rounding."""
-    for got, want in zip(_specified(cuda[0], cuda[2], layout), _specified(xla[0], xla[2], layout), strict=True):
-        np.testing.assert_array_equal(got, want, err_msg="x")
+    assert_bits_equal(specified(cuda[0], cuda[2]), specified(xla[0], xla[2]), err_msg="x")
     names = ["weights", "group_sizes", "num_dropped/num_invalid", "handle"]
     for name, got, want in zip(names, cuda[1:5], xla[1:5], strict=True):
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -161,7 +151,7 @@ def test_small_sm_budget_gives_the_same_results(mesh, transport, num_sms):
         cuda = _run(mesh, "cuda", x, idx, w, **kw)
     finally:
         jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
-    _assert_same(cuda, xla, jnp.bfloat16, "ragged")
+    _assert_same(cuda, xla, jnp.bfloat16)
 
 
 def _grads(mesh, backend, layout, x, idx, w, partial_dtype=None):
@@ -198,8 +188,7 @@ def test_every_op_is_deterministic(mesh, layout):
     kw = dict(num_experts=32, layout=layout, capacity=None if layout == "ragged" else 60)
     for partial in (None, jnp.float32):
         first, second = (_run(mesh, "cuda", x, idx, w, partial, **kw) for _ in range(2))
-        for a, b in zip(_specified(first[0], first[2], layout), _specified(second[0], second[2], layout), strict=True):
-            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))  # the ragged tail is unspecified
+        assert_bits_equal(specified(first[0], first[2]), specified(second[0], second[2]), err_msg="x")
         for a, b in zip(jax.tree.leaves(first[1:]), jax.tree.leaves(second[1:]), strict=True):
             a, b = np.asarray(a), np.asarray(b)
             np.testing.assert_array_equal(a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
@@ -278,7 +267,7 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
         jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
     x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=5)
     kw = dict(num_experts=16)
-    _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32, "ragged")
+    _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
 SCAN_SCRIPT = Path(__file__).with_name("command_buffer_scan.py")
