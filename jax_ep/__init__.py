@@ -3,6 +3,7 @@
 from ._api import combine, default_capacity, dispatch
 from ._group import Group, buffer_size_hint, finalize, initialize, nccl_ranks
 from ._group import available as cuda_available
+from ._grouped_matmul import grouped_matmul
 from ._types import Dispatched, Handle
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "default_capacity",
     "dispatch",
     "finalize",
+    "grouped_matmul",
     "initialize",
     "nccl_ranks",
 ]

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ._api import combine, dispatch
+from ._grouped_matmul import grouped_matmul
 from ._types import LAYOUTS
 from ._validate import check_choice, check_positive_int
 
@@ -37,6 +38,11 @@ class MoEOutput(NamedTuple):
     out: jax.Array
     aux_loss: jax.Array
     num_dropped: jax.Array
+
+
+def _ragged_matmul(x: jax.Array, w: jax.Array, *, group_sizes: jax.Array) -> jax.Array:
+    """``jax_ep.grouped_matmul`` (Mosaic GPU kernels on Hopper, else ``jax.lax.ragged_dot``)."""
+    return grouped_matmul(x, w, group_sizes)
 
 
 def _mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
@@ -119,8 +125,9 @@ class MoE(nnx.Module):
     for perfectly even routing. Only ``P_e`` carries gradient.
 
     Experts are :class:`MLP` s. Expert matmuls run in the dtype of the input
-    (``jax.lax.ragged_dot`` on the ``"ragged"`` layout, a batched ``einsum``
-    on the ``"expert"`` layout); the router runs in float32.
+    (:func:`jax_ep.grouped_matmul` on the ``"ragged"`` layout: Pallas Mosaic
+    GPU kernels on Hopper GPUs, ``jax.lax.ragged_dot`` elsewhere; a batched
+    ``einsum`` on the ``"expert"`` layout); the router runs in float32.
 
     Parameters:
 
@@ -244,36 +251,46 @@ class MoE(nnx.Module):
     def _local(
         self, x: jax.Array, params: dict[str, Any], *, num_tokens: int
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One rank's ``x [T, H]`` of all ``num_tokens`` -> ``out [T, H]``, ``aux_loss []``, ``num_dropped []``."""
-        logits = x.astype(jnp.float32) @ params["router"]  # [T, E]
-        if self.router == "softmax":
-            probs = jax.nn.softmax(logits, axis=-1)
-            topk_weights, topk_idx = jax.lax.top_k(probs, self.topk)
-        else:
-            scores = jax.nn.sigmoid(logits)
-            top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
-            topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
-            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-        d = dispatch(
-            x,
-            topk_idx,
-            topk_weights,
-            num_experts=self.num_experts,
-            axis_name=self.axis_name,
-            layout=self.layout,
-            capacity=self.capacity,
-            expert_alignment=self.expert_alignment,
-        )
-        if self.layout == "ragged":
-            matmul = functools.partial(jax.lax.ragged_dot, group_sizes=d.group_sizes)
-        else:
-            matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
-        y = _mlp(d.x, params["experts"], matmul, self.activation)
-        out = combine(y, d.handle, weights=d.weights)
-        if "shared" in params:
-            out = out + _mlp(x, params["shared"], jnp.matmul, self.activation)
+        """One rank's ``x [T, H]`` of all ``num_tokens`` -> ``out [T, H]``, ``aux_loss []``, ``num_dropped []``.
 
-        slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
-        slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), d.num_dropped), self.token_axes)
-        aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
+        Named scopes (for profiles): ``router``, ``dispatch``, ``experts``, ``combine``, ``shared_expert``,
+        ``aux_loss``.
+        """
+        with jax.named_scope("router"):
+            logits = x.astype(jnp.float32) @ params["router"]  # [T, E]
+            if self.router == "softmax":
+                probs = jax.nn.softmax(logits, axis=-1)
+                topk_weights, topk_idx = jax.lax.top_k(probs, self.topk)
+            else:
+                scores = jax.nn.sigmoid(logits)
+                top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
+                topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+                probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        with jax.named_scope("dispatch"):
+            d = dispatch(
+                x,
+                topk_idx,
+                topk_weights,
+                num_experts=self.num_experts,
+                axis_name=self.axis_name,
+                layout=self.layout,
+                capacity=self.capacity,
+                expert_alignment=self.expert_alignment,
+            )
+        with jax.named_scope("experts"):
+            if self.layout == "ragged":
+                matmul = functools.partial(_ragged_matmul, group_sizes=d.group_sizes)
+            else:
+                matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
+            y = _mlp(d.x, params["experts"], matmul, self.activation)
+        with jax.named_scope("combine"):
+            out = combine(y, d.handle, weights=d.weights)
+        if "shared" in params:
+            with jax.named_scope("shared_expert"):
+                out = out + _mlp(x, params["shared"], jnp.matmul, self.activation)
+
+        with jax.named_scope("aux_loss"):
+            slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
+            slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), d.num_dropped), self.token_axes)
+            aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
         return out, aux_loss, num_dropped

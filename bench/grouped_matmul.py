@@ -1,0 +1,386 @@
+"""Time jax_ep.grouped_matmul (forward, dx, dw) against a dense batched einsum and jax.lax.ragged_dot.
+
+python bench/grouped_matmul.py OUT.json [--shapes M,K,N,G ...] [--iters 20]
+python bench/grouped_matmul.py OUT.json --sweep [--budget-s 120]   # tile sweep of the Mosaic kernels
+
+Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16, standard normal (w scaled by
+1/sqrt(K)). Group sizes: ``random``, the expert counts of M tokens routed uniformly at random to G experts
+(``sum == M``), and ``equal``, M/G rows each. The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups
+of M/G rows (same FLOPs); its gradients are ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')``
+(dw). Each op is jitted alone; ``dx`` is what the custom VJP computes (the kernel, then rows past
+``sum(group_sizes)`` set to 0 by a select, a pass XLA fuses into the consumer inside a model but not here),
+``dx_kernel`` the kernel alone. Time per call: the median over 5 batches of ``k`` back-to-back calls, each
+batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
+warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
+recorded as "oom" where XLA runs out of memory. A sampled check against float32 (rows of y and dx, two
+groups of dw) runs first.
+
+Writes OUT.json (command, commit from JAX_EP_COMMIT, device, jax version, numbers, ratios) and prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ep
+from jax_ep import _grouped_matmul as gm
+from jax_ep import _mosaic_gmm as mk
+
+SHAPES = ((32768, 7168, 2048, 32), (32768, 7168, 2048, 256), (8192, 4096, 1024, 64))
+START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - START:6.1f} s] {message}", flush=True)
+
+
+def provenance() -> dict:
+    dev = jax.devices()[0]
+    return {
+        "command": os.environ.get("JAX_EP_COMMAND") or " ".join(["python", *sys.argv]),
+        "commit": os.environ.get("JAX_EP_COMMIT", "unknown"),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "compute_capability": str(getattr(dev, "compute_capability", "")),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or __import__("jaxlib").__version__,
+    }
+
+
+def api_probe() -> dict:
+    """Signatures of the Pallas functions this code uses (upstream kernels too), to spot API drift."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out = {}
+    names = ["kernel", "nd_loop", "planar_snake", "emit_pipeline", "BlockSpec", "ACC", "SMEM", "commit_smem"]
+    names += ["copy_smem_to_gmem", "wait_smem_to_gmem", "wgmma", "wgmma_wait", "transpose_ref", "layout_cast"]
+    names += ["find_swizzle", "TilingTransform", "SwizzleTransform", "CompilerParams"]
+    for name in names:
+        try:
+            out[f"plgpu.{name}"] = str(inspect.signature(getattr(plgpu, name)))
+        except Exception as error:  # noqa: BLE001 - record whatever it is
+            out[f"plgpu.{name}"] = f"unavailable: {error!r}"
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+        out["ragged_dot_mgpu.ragged_dot"] = str(inspect.signature(ragged_dot_mgpu.ragged_dot))
+        out["transposed_ragged_dot_mgpu.transposed_ragged_dot"] = str(
+            inspect.signature(transposed_ragged_dot_mgpu.transposed_ragged_dot)
+        )
+    except Exception as error:  # noqa: BLE001
+        out["upstream"] = f"unavailable: {error!r}"
+    return out
+
+
+def group_sizes(kind: str, m: int, g: int, seed: int = 0) -> np.ndarray:
+    if kind == "equal":
+        return np.full(g, m // g, np.int32)
+    rng = np.random.default_rng(seed)
+    return np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
+
+
+def inputs(m: int, k: int, n: int, g: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    return x, w, dy
+
+
+def out_bytes(out) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(out))
+
+
+def time_call(fn, args, iters: int, batches: int = 5) -> float:
+    """Seconds per call of compiled ``fn``: median over batches of back-to-back calls (see the module doc)."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    per_batch = max(1, min(iters, int(24e9 // max(out_bytes(out), 1))))
+    del out
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(per_batch)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / per_batch)
+        del outs
+    return float(np.median(times))
+
+
+def is_oom(error: Exception) -> bool:
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
+
+
+def dense_fns():
+    return {
+        "fwd": jax.jit(lambda x, w: jnp.einsum("gmk,gkn->gmn", x, w)),
+        "dx": jax.jit(lambda dy, w: jnp.einsum("gmn,gkn->gmk", dy, w)),
+        "dw": jax.jit(lambda x, dy: jnp.einsum("gmk,gmn->gkn", x, dy)),
+    }
+
+
+def dense_args(x, w, dy, g):
+    m = x.shape[0]
+    xg, dyg = x.reshape(g, m // g, -1), dy.reshape(g, m // g, -1)
+    return {"fwd": (xg, w), "dx": (dyg, w), "dw": (xg, dyg)}
+
+
+def gmm_fns(plan: gm.Plan):
+    return {
+        "fwd": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, plan)),
+        "dx": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, plan)),
+        "dx_kernel": jax.jit(lambda dy, w, s: mk.ragged_dot(dy, w, s, plan.dx, transpose_rhs=True)),
+        "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
+    }
+
+
+def ragged_fns():
+    def dx(x, w, s, dy):
+        return jax.vjp(lambda a: jax.lax.ragged_dot(a, w, s), x)[1](dy)[0]
+
+    def dw(x, w, s, dy):
+        return jax.vjp(lambda b: jax.lax.ragged_dot(x, b, s), w)[1](dy)[0]
+
+    return {"fwd": jax.jit(jax.lax.ragged_dot), "dx": jax.jit(dx), "dw": jax.jit(dw)}
+
+
+def sampled_check(plan, x, w, dy, sizes) -> dict:
+    """Relative max error of the kernels against float32 on 16 rows of y and dx and on two groups of dw."""
+    s = jnp.asarray(sizes)
+    m = x.shape[0]
+    total = int(sizes.sum())
+    group_of_row = np.repeat(np.arange(len(sizes)), sizes)
+    rows = np.random.default_rng(1).choice(total, 16, replace=False)
+    fns = gmm_fns(plan)
+    y = fns["fwd"](x, w, s)
+    dx = fns["dx"](dy, w, s)
+    dw = fns["dw"](x, dy, s)
+    f32 = jnp.float32
+    wr = w[group_of_row[rows]].astype(f32)
+    y_ref = jnp.einsum("rk,rkn->rn", x[rows].astype(f32), wr)
+    dx_ref = jnp.einsum("rn,rkn->rk", dy[rows].astype(f32), wr)
+    out = {}
+    out["y"] = float(jnp.abs(y[rows].astype(f32) - y_ref).max() / jnp.abs(y_ref).max())
+    out["dx"] = float(jnp.abs(dx[rows].astype(f32) - dx_ref).max() / jnp.abs(dx_ref).max())
+    starts = np.cumsum(sizes) - sizes
+    errors = []
+    for g in (int(np.argmax(sizes)), len(sizes) - 1):
+        mask = (jnp.arange(m) >= starts[g]) & (jnp.arange(m) < starts[g] + sizes[g])
+        xm = jnp.where(mask[:, None], x.astype(f32), 0)
+        dym = jnp.where(mask[:, None], dy.astype(f32), 0)
+        ref = xm.T @ dym
+        errors.append(float(jnp.abs(dw[g].astype(f32) - ref).max() / jnp.abs(ref).max()))
+    out["dw"] = max(errors)
+    out["ok"] = all(v < 2e-2 for v in (out["y"], out["dx"], out["dw"]))
+    return out
+
+
+def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
+    tflop = 2 * m * k * n / 1e12
+    x, w, dy = inputs(m, k, n, g)
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    row = {"M": m, "K": k, "N": n, "G": g, "plan": {op: b and b._asdict() for op, b in plan._asdict().items()}}
+    log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
+    row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))
+    log(f"  sampled check {row['check']}")
+    times = {}
+    dargs = dense_args(x, w, dy, g)
+    for op, fn in dense_fns().items():
+        times[f"einsum_{op}"] = time_call(fn, dargs[op], iters)
+    fns = gmm_fns(plan)
+    for kind in ("random", "equal"):
+        s = jnp.asarray(group_sizes(kind, m, g))
+        args = {"fwd": (x, w, s), "dx": (dy, w, s), "dx_kernel": (dy, w, s), "dw": (x, dy, s)}
+        for op, fn in fns.items():
+            times[f"gmm_{op}_{kind}"] = time_call(fn, args[op], iters)
+    log("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in times.items()))
+    ragged_status = {}
+    if ragged:
+        s = jnp.asarray(group_sizes("random", m, g))
+        for op, fn in ragged_fns().items():
+            a = (x, w, s) if op == "fwd" else (x, w, s, dy)
+            try:
+                times[f"ragged_dot_{op}"] = time_call(fn, a, 2, batches=3)
+                ragged_status[op] = "timed"
+            except Exception as error:  # noqa: BLE001 - XLA's OOM comes as several exception types
+                if not is_oom(error):
+                    raise
+                ragged_status[op] = "oom"
+                log(f"  jax.lax.ragged_dot {op}: out of memory ({str(error).splitlines()[0][:200]})")
+    row["ragged_dot"] = ragged_status
+    row["ms"] = {name: t * 1e3 for name, t in times.items()}
+    row["tflops"] = {name: tflop / t for name, t in times.items()}
+    row["ratio_vs_einsum"] = {}
+    for name, t in times.items():
+        if name.startswith("einsum_"):
+            continue
+        op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")
+        row["ratio_vs_einsum"][name] = times[f"einsum_{op}"] / t
+    return row
+
+
+# The tile sweep.
+
+SWEEP = {
+    "fwd": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 8), (128, 128, 64, 6, 16), (64, 256, 64, 4, 4)]
+    + [(64, 128, 64, 5, 8), (128, 256, 64, 3, 4)],
+    "dw": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 128, 128, 3, 1), (128, 256, 64, 3, 1)]
+    + [(64, 256, 64, 4, 1), (128, 128, 32, 6, 1)],
+}
+SWEEP["dx"] = SWEEP["fwd"]
+
+
+def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
+    deadline = time.perf_counter() + budget_s
+    jobs = []  # (shape, op, variant, blocks, fn, args)
+    data = {}
+    for m, k, n, g in shapes:
+        x, w, dy = inputs(m, k, n, g)
+        s = jnp.asarray(group_sizes("random", m, g))
+        data[(m, k, n, g)] = (x, w, dy, s)
+        dargs = dense_args(x, w, dy, g)
+        for op, fn in dense_fns().items():
+            jobs.append(((m, k, n, g), op, "einsum", None, fn, dargs[op]))
+        for op, configs in SWEEP.items():
+            for cfg in configs:
+                blocks = mk.Blocks(*cfg)
+                if op == "fwd":
+                    fn = jax.jit(lambda x, w, s, b=blocks: mk.ragged_dot(x, w, s, b))
+                    args = (x, w, s)
+                    fits = k % blocks.block_k == 0 and n % blocks.block_n == 0
+                elif op == "dx":
+                    fn = jax.jit(lambda dy, w, s, b=blocks: mk.ragged_dot(dy, w, s, b, transpose_rhs=True))
+                    args = (dy, w, s)
+                    fits = n % blocks.block_k == 0 and k % blocks.block_n == 0
+                else:
+                    fn = jax.jit(lambda x, dy, s, b=blocks: mk.transposed_ragged_dot(x, dy, s, b))
+                    args = (x, dy, s)
+                    fits = k % blocks.block_m == 0 and n % blocks.block_n == 0
+                if fits:
+                    jobs.append(((m, k, n, g), op, "jax_ep", blocks, fn, args))
+        jobs.extend(upstream_jobs((m, k, n, g), x, w, dy, s))
+
+    def compile_job(job):
+        shape, op, variant, blocks, fn, args = job
+        if time.perf_counter() > deadline:
+            return None, "skipped: budget"
+        try:
+            return fn.lower(*args).compile(), None
+        except Exception as error:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
+            return None, f"{type(error).__name__}: {str(error)[:300]}"
+
+    log(f"sweep: compiling {len(jobs)} jobs in 8 threads")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        compiled = list(pool.map(compile_job, jobs))
+    log("sweep: compiled")
+    results = []
+    for job, (exe, error) in zip(jobs, compiled, strict=True):
+        shape, op, variant, blocks, _, args = job
+        entry = {"shape": shape, "op": op, "variant": variant, "blocks": blocks and list(blocks)}
+        if exe is None:
+            entry["error"] = error
+        elif time.perf_counter() > deadline:
+            entry["error"] = "skipped: budget"
+        else:
+            try:
+                t = time_call(exe, args, iters, batches=3)
+                entry["ms"] = t * 1e3
+                entry["tflops"] = 2 * np.prod(shape[:3]) / t / 1e12
+            except Exception as error:  # noqa: BLE001
+                entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        results.append(entry)
+        log(f"  {shape} {op:3} {variant:8} {blocks and tuple(blocks)}: {entry.get('tflops', entry.get('error'))}")
+    return results
+
+
+def upstream_jobs(shape, x, w, dy, s):
+    """The upstream Pallas kernels at one tile, for comparison (forward: ragged_dot; dw: transposed)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+    except ImportError:
+        return []
+    kw = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    fwd = jax.jit(lambda x, w, s: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=s, **kw))
+    dw = jax.jit(lambda x, dy, s: transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=s, **kw))
+    return [(shape, "fwd", "upstream", mk.Blocks(128, 128, 64, 4, 1), fwd, (x, w, s))] + [
+        (shape, "dw", "upstream", mk.Blocks(128, 128, 64, 4, 1), dw, (x, dy, s))
+    ]
+
+
+def best_of_sweep(results):
+    best = {}
+    for r in results:
+        if "tflops" not in r or r["variant"] != "jax_ep":
+            continue
+        key = (tuple(r["shape"]), r["op"])
+        if key not in best or r["tflops"] > best[key]["tflops"]:
+            best[key] = r
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=120.0)
+    parser.add_argument("--no-ragged-dot", action="store_true", help="skip jax.lax.ragged_dot (slow)")
+    args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    payload = {**provenance(), "api": api_probe(), "hopper": gm.hopper_available()}
+    log(f"{payload['device']} jax {payload['jax']}; hopper: {payload['hopper']}")
+    for name, sig in payload["api"].items():
+        print(f"  {name}{sig}")
+    if not payload["hopper"]:
+        raise SystemExit("needs a Hopper GPU")
+    if args.sweep:
+        results = sweep(shapes, args.budget_s, args.iters)
+        payload["sweep"] = results
+        args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        print("\nbest tiles per shape and op (TFLOP/s; einsum for reference):")
+        einsum = {(tuple(r["shape"]), r["op"]): r.get("tflops") for r in results if r["variant"] == "einsum"}
+        upstream = {(tuple(r["shape"]), r["op"]): r.get("tflops") for r in results if r["variant"] == "upstream"}
+        for key, r in sorted(best_of_sweep(results).items()):
+            e, u = einsum.get(key), upstream.get(key)
+            print(f"  {key[0]} {key[1]:3}: {r['tflops']:6.1f} with {r['blocks']}  einsum {e and round(e, 1)}"
+                  f"  upstream {u and round(u, 1)}")  # fmt: skip
+        return
+    rows = []
+    for shape in shapes:
+        rows.append(bench_shape(*shape, iters=args.iters, ragged=not args.no_ragged_dot))
+        payload["results"] = rows
+        args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(f"\nwrote {args.out}\nTFLOP/s (ratio to the einsum of the same op); group sizes random, [equal]:")
+    print(f"{'M x K x N, G':24} {'op':3} {'einsum':>7} {'gmm':>15} {'gmm equal':>15} {'ragged_dot':>10}")
+    for r in rows:
+        name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
+        tf, ratio = r["tflops"], r["ratio_vs_einsum"]
+        for op in ("fwd", "dx", "dx_kernel", "dw"):
+            base = "dx" if op.startswith("dx") else op
+            rd = tf.get(f"ragged_dot_{op}")
+            rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"
+            print(
+                f"{name:24} {op:3} {tf[f'einsum_{base}']:7.1f} "
+                f"{tf[f'gmm_{op}_random']:7.1f} ({ratio[f'gmm_{op}_random']:4.2f}) "
+                f"{tf[f'gmm_{op}_equal']:7.1f} ({ratio[f'gmm_{op}_equal']:4.2f}) {rd_text}"
+            )
+    _ = jax_ep  # the package under test
+
+
+if __name__ == "__main__":
+    main()

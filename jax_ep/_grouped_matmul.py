@@ -1,0 +1,222 @@
+"""``jax_ep.grouped_matmul``: ``jax.lax.ragged_dot`` with Pallas Mosaic GPU kernels on Hopper GPUs.
+
+On a Hopper GPU (compute capability 9.x) the forward pass and both gradients run Pallas Mosaic GPU
+(wgmma) kernels from :mod:`jax_ep._mosaic_gmm`, joined by a ``jax.custom_vjp``; elsewhere, and for shapes or
+dtypes the kernels do not take, :func:`grouped_matmul` is ``jax.lax.ragged_dot`` with its own autodiff.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._validate import check_array, check_choice
+
+try:
+    from . import _mosaic_gmm as _mosaic
+    from ._mosaic_gmm import Blocks
+except ImportError as _error:  # a jax without Pallas Mosaic GPU
+    _mosaic = None
+    _MOSAIC_IMPORT_ERROR: str | None = str(_error)
+
+    class Blocks(NamedTuple):  # type: ignore[no-redef]
+        block_m: int
+        block_n: int
+        block_k: int
+        max_concurrent_steps: int
+        grid_block_n: int
+
+else:
+    _MOSAIC_IMPORT_ERROR = None
+
+IMPLS = ("auto", "mosaic", "xla")
+MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Plan(NamedTuple):
+    """The tiles of each of the three kernels; None runs that one with XLA (``ragged_dot``)."""
+
+    fwd: Blocks | None
+    dx: Blocks | None
+    dw: Blocks | None
+
+
+# Tiles by (op, K, N) of the op's own output tile; "fwd"/"dx": (rows, output columns, contraction step);
+# "dw": (rows of dw = K, columns of dw = N, row step). Tried in order; the first that divides the shape wins.
+# Tuned on one H200 with bench/grouped_matmul.py --sweep (see docs/performance.md).
+_CANDIDATES: dict[str, tuple[Blocks, ...]] = {
+    "fwd": (Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 8), Blocks(64, 64, 64, 4, 1)),
+    "dx": (Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 8), Blocks(64, 64, 64, 4, 1)),
+    "dw": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+}
+_TUNED: dict[tuple[str, int, int, int], Blocks] = {}
+
+
+def _pick(op: str, m: int, k: int, n: int, g: int) -> Blocks | None:
+    """Tiles for ``op`` of ``[m, k] x [g, k, n]``, or None when no candidate divides the shape."""
+    if op == "fwd":
+        out_cols, contraction = n, k
+    elif op == "dx":
+        out_cols, contraction = k, n
+    else:
+        out_cols, contraction = None, None
+    tuned = _TUNED.get((op, k, n, g))
+    for blocks in (tuned,) * (tuned is not None) + _CANDIDATES[op]:
+        if op == "dw":
+            fits = k % blocks.block_m == 0 and n % blocks.block_n == 0
+            cols = n
+        else:
+            fits = contraction % blocks.block_k == 0 and out_cols % blocks.block_n == 0
+            cols = out_cols
+        if fits:
+            return blocks._replace(grid_block_n=max(1, min(blocks.grid_block_n, cols // blocks.block_n)))
+    return None
+
+
+def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
+    """The Mosaic kernels' tiles for these operands, or None if the kernels do not take them."""
+    if _mosaic is None:
+        return None
+    m, k = x_shape
+    g, _, n = w_shape
+    if jnp.dtype(x_dtype) != jnp.dtype(w_dtype) or jnp.dtype(x_dtype) not in MOSAIC_DTYPES or min(m, k, n, g) < 1:
+        return None
+    plan = Plan(*(_pick(op, m, k, n, g) for op in ("fwd", "dx", "dw")))
+    return None if plan == Plan(None, None, None) else plan
+
+
+@functools.cache
+def hopper_available() -> bool:
+    """Whether jax sees GPUs here and every one is a Hopper (compute capability 9.x)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)``, on Hopper GPUs with Pallas Mosaic GPU kernels.
+
+    Rows ``[start_g, start_g + group_sizes[g])`` of ``x`` (groups laid end to end from row 0) are
+    multiplied by ``w[g]``.
+
+    Args:
+      x: ``[M, K]`` floating.
+      w: ``[G, K, N]`` floating.
+      group_sizes: ``[G]`` int32, ``sum(group_sizes) <= M``.
+      impl: ``"auto"``: the Mosaic kernels where they run (below), else ``jax.lax.ragged_dot``;
+        ``"mosaic"``: the Mosaic kernels, or a ``ValueError`` saying why not; ``"xla"``:
+        ``jax.lax.ragged_dot`` and its autodiff.
+
+    Returns:
+      ``[M, N]`` in ``ragged_dot``'s dtype. Rows past ``sum(group_sizes)`` are unspecified (the Mosaic
+      path does not write them); whatever they hold, and whatever rows of ``x`` (or of the output's
+      cotangent) past ``sum(group_sizes)`` hold, NaN included, never reaches the valid rows or the
+      gradients. The gradient w.r.t. ``x`` is 0 on rows past ``sum(group_sizes)``.
+
+    The Mosaic path is taken when every GPU jax sees is a Hopper (compute capability 9.x), ``x`` and
+    ``w`` are both bfloat16 or both float16, and the tiles of at least one of the three kernels divide
+    the shape (``K`` and ``N`` multiples of 64). It is a ``jax.custom_vjp``: the forward pass, ``dx =
+    ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
+    or XLA's ``ragged_dot`` otherwise. The kernels accumulate in float32 and round once to the output
+    dtype. Inside the computation the choice between kernel and XLA is made per platform
+    (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
+    """
+    check_choice("impl", impl, IMPLS)
+    check_array("x", x, ndim=2, kind="floating")
+    check_array("w", w, ndim=3, kind="floating")
+    check_array("group_sizes", group_sizes, shape=(w.shape[0],), dtype=jnp.int32)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"jax_ep: x [M, K] and w [G, K, N] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if impl == "xla":
+        return lax.ragged_dot(x, w, group_sizes)
+    plan = plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    if impl == "auto" and (plan is None or not hopper_available()):
+        return lax.ragged_dot(x, w, group_sizes)
+    if plan is None:
+        why = _MOSAIC_IMPORT_ERROR or (
+            f"x {x.dtype} and w {w.dtype} must be both bfloat16 or both float16, and K={x.shape[1]} and "
+            f"N={w.shape[2]} multiples of 64"
+        )
+        raise ValueError(f"jax_ep.grouped_matmul: impl='mosaic' cannot run: {why}")
+    if not hopper_available():
+        raise ValueError("jax_ep.grouped_matmul: impl='mosaic' needs Hopper GPUs (compute capability 9.x)")
+    return custom_grouped_matmul(x, w, group_sizes, plan)
+
+
+# The custom VJP. The kernels run on CUDA devices only; on any other platform each op is XLA's.
+
+
+def _rows_below(m: int, group_sizes: jax.Array) -> jax.Array:
+    """``[m, 1]`` bool: the row is below ``sum(group_sizes)``."""
+    return (jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
+
+
+def _xla_fwd(x, w, group_sizes):
+    return lax.ragged_dot(x, w, group_sizes)
+
+
+def _xla_dx(dy, w, group_sizes):
+    return lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), group_sizes)
+
+
+def _xla_dw(x, dy, group_sizes):
+    # Rows past sum(group_sizes) are zeroed by a select first: NaN there must not become NaN * 0.
+    below = _rows_below(x.shape[0], group_sizes)
+    x, dy = jnp.where(below, x, 0), jnp.where(below, dy, 0)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    return lax.ragged_dot_general(x, dy, group_sizes, dims)
+
+
+def _op(name: str, blocks: Blocks | None, xla, mosaic, *args):
+    if blocks is None:
+        return xla(*args)
+    with jax.named_scope(f"grouped_matmul_{name}"):
+        return lax.platform_dependent(*args, cuda=mosaic, default=xla)
+
+
+def _fwd(x, w, group_sizes, plan: Plan):
+    return _op("fwd", plan.fwd, _xla_fwd, lambda a, b, c: _mosaic.ragged_dot(a, b, c, plan.fwd), x, w, group_sizes)
+
+
+def _dx(dy, w, group_sizes, plan: Plan):
+    def mosaic(a, b, c):
+        return _mosaic.ragged_dot(a, b, c, plan.dx, transpose_rhs=True)
+
+    dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes)
+    return jnp.where(_rows_below(dy.shape[0], group_sizes), dx, 0)
+
+
+def _dw(x, dy, group_sizes, plan: Plan):
+    def mosaic(a, b, c):
+        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
+
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, plan: Plan) -> jax.Array:
+    """The Mosaic path of :func:`grouped_matmul` with explicit tiles (no checks: use ``grouped_matmul``)."""
+    return _fwd(x, w, group_sizes, plan)
+
+
+def _custom_fwd(x, w, group_sizes, plan):
+    return _fwd(x, w, group_sizes, plan), (x, w, group_sizes)
+
+
+def _custom_bwd(plan, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = _dx(dy, w, group_sizes, plan).astype(x.dtype)
+    dw = _dw(x, dy, group_sizes, plan).astype(w.dtype)
+    return dx, dw, None
+
+
+custom_grouped_matmul.defvjp(_custom_fwd, _custom_bwd)

@@ -1,0 +1,255 @@
+"""Pallas Mosaic GPU kernels (Hopper, wgmma) behind :func:`jax_ep.grouped_matmul`.
+
+Adapted from JAX's ``jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py`` and
+``transposed_ragged_dot_mgpu.py`` (Copyright 2025 The JAX Authors, Apache License 2.0), with these changes:
+
+* :func:`ragged_dot` tiles each group from its own first row (a table of tiles computed by XLA outside the
+  kernel) instead of from multiples of ``block_m``, so a group of ``s`` rows costs ``ceil(s / block_m)``
+  tiles, tiles of no group are skipped, and the kernel has no loop over the groups unrolled into it.
+* :func:`transposed_ragged_dot` zeroes the rows of other groups (and past ``sum(group_sizes)``) in the
+  first and last row block of each group by a select on both operands, not by multiplying one of them by a
+  0/1 mask: ``NaN * 0`` is NaN, so the upstream kernel lets NaN or Inf in the unspecified rows past
+  ``sum(group_sizes)`` (or in a neighbouring group) into ``dw``.
+
+Both need ``jax.experimental.pallas.mosaic_gpu``; importing this module does not touch a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+class Blocks(NamedTuple):
+    """Tile sizes of one kernel: output tile ``block_m x block_n``, contraction step ``block_k``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    grid_block_n: int
+
+
+def _num_sms() -> int:
+    try:
+        return int(jax.devices("gpu")[0].core_count)
+    except (RuntimeError, AttributeError, TypeError):
+        return 132  # an H100/H200 SXM
+
+
+def tile_table(group_sizes: jax.Array, block_m: int, num_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each of ``num_tiles`` row tiles: its group, first row and number of rows (0: no work).
+
+    Group ``g`` (rows ``[start_g, start_g + s_g)``) gets ``ceil(s_g / block_m)`` tiles, in group order; tile
+    ``j`` of the group covers rows ``start_g + j * block_m`` onwards, at most ``block_m`` of them.
+    ``num_tiles`` must be at least ``cdiv(M, block_m) + G`` (which bounds the total when
+    ``sum(group_sizes) <= M``).
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    g = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles = (sizes + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(tiles)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
+    valid = group < g
+    gc = jnp.minimum(group, g - 1)
+    row = starts[gc] + (t - (tile_ends[gc] - tiles[gc])) * block_m
+    rows = jnp.where(valid, jnp.minimum(block_m, ends[gc] - row), 0)
+    return gc, jnp.where(valid, row, 0), rows.astype(jnp.int32)
+
+
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    blocks: Blocks,
+    *,
+    transpose_rhs: bool = False,
+) -> jax.Array:
+    """``out[r] = lhs[r] @ rhs[g(r)]`` for the rows ``r`` of each group; rows past the groups are not written.
+
+    ``lhs [M, K]``, ``rhs [G, K, N]`` (or ``[G, N, K]`` with ``transpose_rhs``), same 16-bit dtype;
+    ``K % block_k == 0``, ``N % block_n == 0``.
+    """
+    bm, bn, bk, steps, gbn = blocks
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+    if k != k2 or k % bk or n % bn or lhs.dtype != rhs.dtype:
+        raise ValueError(f"ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
+    grid_m = pl.cdiv(m, bm) + g
+    grid_n = n // bn
+    tile_group, tile_row, tile_rows = tile_table(group_sizes, bm, grid_m)
+
+    def body(group_gmem, row_gmem, rows_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def mn_loop(loop_info):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, gbn)
+            group = group_gmem[mi]
+            row = row_gmem[mi]
+            rows = rows_gmem[mi]
+
+            def acc_scope(acc_ref):
+                @pl.when(rows > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
+                            acc_ref,
+                            lhs_smem,
+                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem,
+                        ),
+                        grid=(k // bk,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), delay_release=1),
+                            plgpu.BlockSpec(
+                                (bn, bk) if transpose_rhs else (bk, bn),
+                                (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                                delay_release=1,
+                            ),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(lhs_gmem.at[pl.ds(row, bm), :], rhs_gmem.at[group])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=o_gmem.dtype))
+            def store_scope(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                # TMA stores have static sizes: store `rows` as a sum of powers of two (upstream's ladder).
+                smem_start = jnp.int32(0)
+                remaining = min(bm, m)
+                while remaining > 0:
+                    chunk = 1 << int(math.log2(remaining))
+                    remaining //= 2
+
+                    @pl.when(rows & chunk != 0)
+                    def _(start=smem_start, size=chunk):
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[pl.ds(start, size)],
+                            o_gmem.at[pl.ds(row + start, size), pl.ds(ni * bn, bn)],
+                        )
+
+                    smem_start += rows & chunk
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(tile_group, tile_row, tile_rows, lhs, rhs)
+
+
+def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks) -> jax.Array:
+    """``out[g] = lhs[rows of g].T @ rhs[rows of g]``: ``lhs [R, M]``, ``rhs [R, N]`` -> ``[G, M, N]``.
+
+    Rows outside a group never reach its output, whatever they hold (NaN included); empty groups give 0.
+    ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of ``block_k``.
+    """
+    bm, bn, bk, steps, gbn = blocks
+    r, m = lhs.shape
+    r2, n = rhs.shape
+    g = group_sizes.shape[0]
+    if r != r2 or m % bm or n % bn or lhs.dtype != rhs.dtype:
+        raise ValueError(
+            f"transposed_ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}"
+        )
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    block_starts = starts // bk * bk
+    block_ends = (ends + bk - 1) // bk * bk
+    num_blocks = (block_ends - block_starts) // bk
+
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def body(sizes_gmem, starts_gmem, ends_gmem, num_blocks_gmem, block_starts_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        grid_m = m // bm
+        grid_n = n // bn
+
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def mn_loop(loop_info):
+            g_i = loop_info.index[0]
+            m_i, n_i = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, gbn)
+            block_start = pl.multiple_of(block_starts_gmem[g_i], bk)
+            rows = pl.ds(block_start, r)  # may run past the end; the pipeline reads only the group's blocks
+
+            def acc_scope(acc_ref):
+                def block_matmul(block_idx, lhs_smem, rhs_smem):
+                    block_idx = block_idx[0]
+                    first = block_idx == 0
+                    last = block_idx == num_blocks_gmem[g_i] - 1
+
+                    @pl.when(first | last)
+                    def _():
+                        # Keep rows [lo, hi] of this block: the group's own rows.
+                        lo = lax.select(first, lax.rem(starts_gmem[g_i], bk), jnp.int32(0))
+                        hi = lax.select(last, lax.rem(ends_gmem[g_i] - 1, bk), jnp.int32(bk - 1))
+                        for ref, cols in ((lhs_smem, bm), (rhs_smem, bn)):
+                            reg = ref[...]
+                            idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bk, cols), 0), plgpu.Layout.WGMMA)
+                            zero = plgpu.layout_cast(jnp.zeros((bk, cols), reg.dtype), plgpu.Layout.WGMMA)
+                            ref[...] = lax.select((idx >= lo) & (idx <= hi), reg, zero)
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
+                    if steps == 1:
+                        plgpu.wgmma_wait(0)
+
+                @pl.when(sizes_gmem[g_i] > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        block_matmul,
+                        grid=(num_blocks_gmem[g_i],),
+                        in_specs=[
+                            plgpu.BlockSpec(
+                                (bk, bm),
+                                lambda k_i: (k_i, m_i),
+                                delay_release=1 if steps > 1 else 0,
+                                transforms=transforms,
+                            ),
+                            plgpu.BlockSpec(
+                                (bk, bn),
+                                lambda k_i: (k_i, n_i),
+                                delay_release=1 if steps > 1 else 0,
+                                transforms=transforms,
+                            ),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(lhs_gmem.at[rows, :], rhs_gmem.at[rows, :])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=o_gmem.dtype, transforms=transforms))
+            def store_scope(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, m, n), lhs.dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(sizes, starts, ends, num_blocks, block_starts, lhs, rhs)

@@ -1,0 +1,211 @@
+"""jax_ep.grouped_matmul against jax.lax.ragged_dot: forward, dx and dw.
+
+The CPU tests run the custom VJP with XLA's ops in place of the kernels (``jax.lax.platform_dependent``
+picks them off CUDA, after tracing the Mosaic kernels too) and check the kernels' tile table. The GPU tests
+run the Mosaic GPU kernels themselves; they skip without a Hopper GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from jax_ep import _grouped_matmul as gm
+from jax_ep._mosaic_gmm import Blocks, tile_table
+
+# (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
+CASES = {
+    "ragged": (300, 128, 192, [0, 37, 64, 0, 70, 1, 0], True),
+    "full": (250, 64, 128, [65, 0, 120, 65], False),  # sum == M, M not a multiple of any tile
+    "one_group": (130, 192, 64, [129], True),
+    "all_empty": (96, 64, 64, [0, 0, 0], True),
+    "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
+}
+ON_HOPPER = gm.hopper_available()
+
+
+def make(case: str, dtype=jnp.bfloat16, seed: int = 0):
+    """x [M, K], w [G, K, N], group_sizes, dy [M, N]; rows of x and dy past sum(group_sizes) are NaN."""
+    m, k, n, sizes, tail = CASES[case]
+    sizes = np.asarray(sizes, np.int32)
+    assert sizes.sum() <= m and (sizes.sum() < m) == tail
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    x[sizes.sum() :] = np.nan
+    dy[sizes.sum() :] = np.nan
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes), jnp.asarray(dy, dtype)
+
+
+def reference(x, w, sizes, dy):
+    """y, dx, dw from jax.lax.ragged_dot in float32 on the valid rows (rows past the groups zeroed first)."""
+    s = int(np.sum(sizes))
+    x32 = jnp.asarray(x, jnp.float32).at[s:].set(0)
+    dy32 = jnp.asarray(dy, jnp.float32).at[s:].set(0)
+    y, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x32, jnp.asarray(w, jnp.float32))
+    dx, dw = pullback(dy32)
+    return [np.asarray(v) for v in (y, dx, dw)]
+
+
+def run(fn, x, w, sizes, dy):
+    """y, dx, dw of ``fn(x, w, sizes)`` as float32 NumPy arrays, jitted."""
+
+    def step(x, w, dy):
+        y, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), x, w)
+        return (y, *pullback(dy))
+
+    return [np.asarray(v, np.float32) for v in jax.jit(step)(x, w, dy)]
+
+
+def check(got, want, sizes, *, tol):
+    """y on the valid rows, dx on every row (0 past the groups), dw everywhere: finite and close."""
+    s = int(np.sum(sizes))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = got, want
+    assert y.shape == y_ref.shape and dx.shape == dx_ref.shape and dw.shape == dw_ref.shape
+    for name, g, r in (("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+        assert np.all(np.isfinite(g)), f"{name} is not finite"
+        np.testing.assert_allclose(g, r, rtol=tol, atol=tol * max(1.0, float(np.abs(r).max(initial=0))), err_msg=name)
+    assert np.all(dx[s:] == 0), "dx must be 0 past sum(group_sizes)"
+    empty = np.asarray(sizes) == 0
+    assert np.all(dw[empty] == 0), "dw of an empty group must be 0"
+
+
+# CPU (and any platform): the custom VJP with XLA's ops, and the tile table.
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_custom_vjp_matches_ragged_dot(case):
+    x, w, sizes, dy = make(case)
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    assert plan is not None and None not in plan
+    got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["ragged", "many_small"])
+def test_auto_is_ragged_dot_without_hopper(case):
+    if ON_HOPPER:
+        pytest.skip("on a Hopper GPU auto picks the kernels (tested below)")
+    x, w, sizes, dy = make(case)
+    got = run(jax_ep.grouped_matmul, x, w, sizes, dy)
+    want = run(jax.lax.ragged_dot, x, w, sizes, dy)
+    s = int(np.sum(sizes))
+    np.testing.assert_array_equal(got[0][:s], want[0][:s])
+    np.testing.assert_array_equal(got[2], want[2])
+    assert np.all(np.isfinite(got[2]))
+
+
+def test_nan_in_a_group_stays_in_that_group():
+    """NaN in x and Inf in dy on rows inside group 5 reach those rows and dw[5] only, as with ragged_dot."""
+    x, w, sizes, dy = make("many_small")
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    fn = functools.partial(gm.custom_grouped_matmul, plan=plan)
+    row = int(np.sum(sizes[:5])) + 3  # group 5 has 64 rows; row and row + 1 are inside it
+    s = int(np.sum(sizes))
+    clean = run(fn, x, w, sizes, dy)
+    got = run(fn, x.at[row].set(jnp.nan), w, sizes, dy.at[row + 1].set(jnp.inf))
+    assert np.all(np.isnan(got[0][row])) and not np.any(np.isfinite(got[2][5]))
+    assert not np.any(np.isfinite(got[1][row + 1]))
+    others = np.arange(len(sizes)) != 5
+    keep_y, keep_dx = np.arange(s) != row, np.arange(len(dy)) != row + 1
+    np.testing.assert_array_equal(got[0][:s][keep_y], clean[0][:s][keep_y])
+    np.testing.assert_array_equal(got[1][keep_dx], clean[1][keep_dx])
+    np.testing.assert_array_equal(got[2][others], clean[2][others])
+    assert np.all(np.isfinite(got[2][others]))
+
+
+@pytest.mark.parametrize("block_m", [8, 64, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tile_table_covers_each_valid_row_once(case, block_m):
+    m, _, _, sizes, _ = CASES[case]
+    sizes = np.asarray(sizes, np.int32)
+    num_tiles = -(-m // block_m) + len(sizes)
+    group, row, rows = (np.asarray(a) for a in tile_table(jnp.asarray(sizes), block_m, num_tiles))
+    starts = np.cumsum(sizes) - sizes
+    covered = np.zeros(m, np.int32)
+    for g, r, n in zip(group, row, rows, strict=True):
+        assert 0 <= n <= block_m
+        if n:
+            assert starts[g] <= r and r + n <= starts[g] + sizes[g], "a tile leaves its group"
+            covered[r : r + n] += 1
+    assert np.all(covered[: sizes.sum()] == 1) and np.all(covered[sizes.sum() :] == 0)
+    assert np.sum(rows > 0) == np.sum(-(-sizes // block_m)), "each group takes ceil(size / block_m) tiles"
+
+
+def test_plan_for_shapes_and_dtypes():
+    bf16 = jnp.bfloat16
+    plan = gm.plan_for((4096, 7168), (32, 7168, 2048), bf16, bf16)
+    assert plan is not None and None not in plan
+    assert 7168 % plan.fwd.block_k == 0 and 2048 % plan.fwd.block_n == 0
+    assert 2048 % plan.dx.block_k == 0 and 7168 % plan.dx.block_n == 0
+    assert 7168 % plan.dw.block_m == 0 and 2048 % plan.dw.block_n == 0
+    assert gm.plan_for((64, 128), (2, 128, 128), jnp.float32, jnp.float32) is None
+    assert gm.plan_for((64, 128), (2, 128, 128), bf16, jnp.float16) is None
+    assert gm.plan_for((64, 100), (2, 100, 128), bf16, bf16) is None  # K not a multiple of 64
+    partial = gm.plan_for((64, 128), (2, 128, 96), bf16, bf16)  # N = 96: only dx's contraction step fits
+    assert partial is None or (partial.fwd is None and partial.dw is None)
+
+
+def test_bad_arguments():
+    x, w, sizes, _ = make("ragged")
+    with pytest.raises(ValueError, match="impl"):
+        jax_ep.grouped_matmul(x, w, sizes, impl="cutlass")
+    with pytest.raises(TypeError, match="group_sizes"):
+        jax_ep.grouped_matmul(x, w, sizes.astype(jnp.float32))
+    with pytest.raises(ValueError, match="share K"):
+        jax_ep.grouped_matmul(x[:, :64], w, sizes)
+    with pytest.raises(ValueError, match="mosaic"):
+        jax_ep.grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), sizes, impl="mosaic")
+    if not ON_HOPPER:
+        with pytest.raises(ValueError, match="Hopper"):
+            jax_ep.grouped_matmul(x, w, sizes, impl="mosaic")
+
+
+# GPU: the Mosaic kernels themselves.
+
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.x)")
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mosaic_matches_ragged_dot(case, dtype):
+    x, w, sizes, dy = make(case, dtype)
+    got = run(lambda a, b, c: jax_ep.grouped_matmul(a, b, c, impl="mosaic"), x, w, sizes, dy)
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
+@hopper
+@pytest.mark.parametrize(
+    "blocks",
+    [Blocks(64, 64, 64, 2, 1), Blocks(64, 128, 64, 4, 2), Blocks(128, 128, 64, 4, 1), Blocks(128, 64, 32, 3, 1)],
+)
+def test_mosaic_tiles(blocks):
+    """Other tiles than the defaults, on the case with many small groups and a NaN tail."""
+    x, w, sizes, dy = make("many_small")
+    plan = gm.Plan(blocks, blocks, blocks)
+    got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
+@hopper
+def test_mosaic_kernels_are_what_runs():
+    """The compiled forward and backward hold Mosaic GPU custom calls and no ragged_dot."""
+    x, w, sizes, dy = make("ragged")
+
+    def step(x, w, dy):
+        y, pullback = jax.vjp(lambda a, b: jax_ep.grouped_matmul(a, b, sizes), x, w)
+        return (y, *pullback(dy))
+
+    hlo = jax.jit(step).lower(x, w, dy).compile().as_text()
+    assert hlo.count("mosaic_gpu") >= 3, "expected the three Mosaic kernels"
+    assert "ragged-dot" not in hlo and "ragged_dot" not in hlo.replace("grouped_matmul", "")
+
+
+@hopper
+def test_mosaic_nan_in_a_group_stays_in_that_group():
+    test_nan_in_a_group_stays_in_that_group()
