@@ -185,15 +185,8 @@ def _combine_fwd(partial_dtype, y, handle, weights):
 
 def _combine_bwd(partial_dtype, residuals, cotangent):
     y, handle, weights = residuals
-    rows_ct = backends.module(handle.config.backend).redispatch(handle, cotangent).astype(jnp.float32)
-    rows_ct = rows_ct.reshape(y.shape)
-    # Rows that hold no slot get exactly 0, even where y, weights or the ragged tail hold NaN or inf.
-    held = (handle.row_slot >= 0).reshape(y.shape[:-1])[..., None]
-    if weights is None:
-        return jnp.where(held, rows_ct, 0.0).astype(y.dtype), None, None
-    dy = jnp.where(held, rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
-    dweights = jnp.sum(jnp.where(held, rows_ct * y.astype(jnp.float32), 0.0), axis=-1)
-    return dy, None, dweights.astype(weights.dtype)
+    dy, dweights = backends.module(handle.config.backend).combine_backward(handle, cotangent, y, weights)
+    return dy, None, dweights
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)

@@ -181,6 +181,47 @@ def test_cuda_gradients_match_xla(mesh, layout):
         assert np.abs(want).sum() > 0
 
 
+def _combine_backward(mesh, backend, x, idx, w, layout, weighted):
+    """combine's dy, dweights (0 without weights) and row_slot, with NaN in y's rows that hold no slot."""
+    import jax_ep
+
+    def f(x, idx, w):
+        kw = dict(num_experts=16, layout=layout, expert_alignment=8, backend=backend)
+        d = jax_ep.dispatch(x, idx, w, axis_name="ep", **kw)
+        held = (d.handle.row_slot >= 0).reshape(d.weights.shape)[..., None]
+        y = jnp.where(held, jnp.tanh(d.x.astype(jnp.float32) * 0.7).astype(x.dtype), jnp.nan)
+        g = (jnp.flip(x.astype(jnp.float32), 0) * 0.5 + 0.25).astype(x.dtype)
+        if weighted:
+            _, vjp = jax.vjp(lambda y, v: jax_ep.combine(y, d.handle, weights=v), y, d.weights)
+            dy, dweights = vjp(g)
+        else:
+            _, vjp = jax.vjp(lambda y: jax_ep.combine(y, d.handle), y)
+            (dy,), dweights = vjp(g), jnp.zeros_like(d.weights)
+        return dy[None], dweights[None], d.handle.row_slot[None]
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,weighted",
+    [(jnp.float32, 256, True), (jnp.bfloat16, 1001, True), (jnp.float16, 2048, False), (jnp.bfloat16, 7168, True)],
+)
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_combine_backward_matches_xla(mesh, layout, dtype, hidden, weighted):
+    """jax_ep_combine_backward: dy bit for bit, dweights within float32 rounding, and exactly 0 in both on rows
+    that hold no slot, where y is NaN (H=1001: the unaligned paths)."""
+    x, idx, w = _inputs(mesh, "messy", 96, hidden, 4, 16, dtype, seed=hidden)
+    dy, dweights, row_slot = (np.asarray(a) for a in _combine_backward(mesh, "cuda", x, idx, w, layout, weighted))
+    want_dy, want_dweights, _ = (np.asarray(a) for a in _combine_backward(mesh, "xla", x, idx, w, layout, weighted))
+    assert_bits_equal(dy, want_dy, err_msg="dy")
+    empty = (row_slot < 0).reshape(dweights.shape)
+    assert empty.any() and (~empty).any()
+    assert not np.any(dy[empty]) and not np.any(dweights[empty])
+    np.testing.assert_allclose(dweights, want_dweights, rtol=1e-5, atol=1e-5 * np.abs(want_dweights).max())
+    assert np.abs(dy.astype(np.float32)).sum() > 0 and (not weighted or np.abs(want_dweights).sum() > 0)
+
+
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_every_op_is_deterministic(mesh, layout):
     """Dispatch, combine (both partial dtypes) and the gradients, twice on the same inputs: the same bits."""

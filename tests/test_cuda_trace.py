@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import _group
 
-TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_dispatch_rows")
+TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_backward")
 GROUP_ID = 4242
 
 
@@ -64,7 +64,7 @@ def _targets(text: str) -> Counter:
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, extension, layout):
     """One jax_ep_dispatch per dispatch, one jax_ep_combine per combine; backward: combine's is one
-    jax_ep_dispatch_rows, dispatch's one jax_ep_combine. Shapes and dtypes come out as the contract says."""
+    jax_ep_combine_backward, dispatch's one jax_ep_combine. Shapes and dtypes come out as the contract says."""
     _stand_in_group(monkeypatch)
     seen = {}
 
@@ -84,7 +84,7 @@ def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, extension
         backward = _targets(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(*ARGS)))
     assert [(g.shape, g.dtype) for g in grads] == [((8, 16), jnp.float32), ((8, 2), jnp.float32)]
     assert forward == {"jax_ep_dispatch": 1, "jax_ep_combine": 1}
-    assert backward == {"jax_ep_dispatch": 1, "jax_ep_combine": 2, "jax_ep_dispatch_rows": 1}
+    assert backward == {"jax_ep_dispatch": 1, "jax_ep_combine": 2, "jax_ep_combine_backward": 1}
 
     d = seen["d"]
     capacity = 2 * 4 * 2 if layout == "ragged" else 2 * 4  # R*T*min(K, L) with L = 4, or R*T

@@ -28,22 +28,6 @@ struct CombineParams {
   bool do_send, do_receive;
 };
 
-template <typename T>
-constexpr int Wide() {
-  return static_cast<int>(16 / sizeof(T));
-}
-
-// Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece.
-__host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
-  return (hidden + 32 * width - 1) / (32 * width);
-}
-__device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin, int64_t* end) {
-  const int32_t steps = static_cast<int32_t>(SumSteps(hidden, width));
-  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
-  *begin = first * 32 * width;
-  *end = std::min<int64_t>(last * 32 * width, hidden);
-}
-
 // One warp: a token's delivered rows (rows_by_k[k], -1 for none) in ascending order with their weights, into
 // the warp's shared arrays. Returns how many there are.
 __device__ int SortedRows(const int32_t* rows_by_k, int64_t topk, const float* weights, int32_t* rows, float* w,
@@ -103,43 +87,6 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
-// `width` values of type P at dst from float32 (16-byte stores when the width fills them).
-template <typename P, int kWide>
-__device__ inline void StoreValues(P* dst, const float (&acc)[kWide], int width) {
-  if (width != kWide) {
-    dst[0] = FromFloat<P>(acc[0]);
-    return;
-  }
-  alignas(16) P packed[kWide];
-#pragma unroll
-  for (int v = 0; v < kWide; ++v) packed[v] = FromFloat<P>(acc[v]);
-#pragma unroll
-  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
-    reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(packed)[c];
-  }
-}
-
-// ... and back: `width` staged values of type P at src (stored by a peer during this kernel) as float32.
-template <typename P, int kWide>
-__device__ inline void LoadStaged(const P* src, float (&out)[kWide], int width) {
-  if (width != kWide) {
-    if constexpr (sizeof(P) == 4) {
-      out[0] = __int_as_float(__ldcg(reinterpret_cast<const int*>(src)));
-    } else {
-      const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(src));
-      out[0] = ToFloat(*reinterpret_cast<const P*>(&bits));
-    }
-    return;
-  }
-  alignas(16) P packed[kWide];
-#pragma unroll
-  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
-    reinterpret_cast<uint4*>(packed)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
-  }
-#pragma unroll
-  for (int v = 0; v < kWide; ++v) out[v] = ToFloat(packed[v]);
-}
-
 template <typename Y, typename P>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
   constexpr int kWide = Wide<Y>();
@@ -186,12 +133,8 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
   if (!may_run || !WaitPeers(g, call)) {
-    const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    for (int64_t b = first; b < T * H * static_cast<int64_t>(sizeof(Y)); b += threads) {
-      static_cast<char*>(p.out)[b] = static_cast<char>(0xff);  // NaN
-    }
-    for (int64_t v = first; p.slot_values != nullptr && v < T * K; v += threads) p.slot_values[v] = __int_as_float(-1);
+    Poison(p.out, T * H * static_cast<int64_t>(sizeof(Y)));
+    Poison(p.slot_values, T * K * 4);
     FinishCall(g, call);
     return;
   }
@@ -256,19 +199,12 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
-  auto launch = [&](bool send, bool receive, int64_t items) {
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     CombineKernel<Y, P><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
-    const cudaError_t status = cudaGetLastError();
-    if (status == cudaSuccess) return Status::Ok();
-    return Status::Internal(std::string("launching CombineKernel: ") + cudaGetErrorString(status));
-  };
-  if (g.nccl_ranks == 0) return launch(true, true, std::max(send_items, recv_items));
-  Status status = launch(true, false, send_items);
-  if (!status.ok()) return status;
-  if (!(status = swap(p.region.bytes)).ok()) return status;
-  return launch(false, true, recv_items);
+    return LaunchStatus("CombineKernel");
+  });
 }
 
 }  // namespace

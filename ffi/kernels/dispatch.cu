@@ -1,7 +1,7 @@
 // The dispatch kernel: each token goes once to every peer rank it is routed to (its row, its slots'
 // (local expert, rank, weight) and this rank's counts, stored into the peer's staging half), then, once every
 // peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
-// layout. With a given routing (jax_ep_dispatch_rows, the backward pass of combine) only rows travel.
+// layout.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -28,15 +28,11 @@ struct DispatchParams {
   const char* x;
   const int32_t* axis_index;
   int64_t num_tokens, row_bytes, topk, num_rows;
-  // routing mode
   const int32_t* topk_idx;
   const float* topk_weights;
   int64_t num_experts, local_experts, capacity, alignment;
   bool expert_layout;
   RoutingScratch s;
-  // given mode: the handle
-  const int32_t *given_dest_pos, *given_rows, *given_counts;
-  // outputs
   char* out_x;
   float* weights;
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
@@ -46,7 +42,7 @@ struct DispatchParams {
   bool do_send, do_receive;
 };
 
-// Position of token t in this rank's send list to rank d, or -1 (routing mode).
+// Position of token t in this rank's send list to rank d, or -1.
 __device__ inline int32_t TokenPos(const DispatchParams& p, const int32_t* scratch, int num_ranks, int64_t t, int d) {
   const int32_t chunk = static_cast<int32_t>(t) / static_cast<int32_t>(p.s.tokens_per_chunk);
   const int32_t local = scratch[p.s.token_local + t * num_ranks + d];
@@ -54,7 +50,7 @@ __device__ inline int32_t TokenPos(const DispatchParams& p, const int32_t* scrat
   return local < 0 ? -1 : base + local;
 }
 
-// Slot (t, k) as rank `dest` receives it (routing mode).
+// Slot (t, k) as rank `dest` receives it.
 __device__ inline StagedSlot SlotFor(const DispatchParams& p, const int32_t* scratch, int64_t t, int64_t k, int dest) {
   const int32_t e = p.topk_idx[t * p.topk + k];
   const int32_t local_rank = scratch[p.s.slot_local + t * p.topk + k];  // loads that do not wait for e
@@ -81,15 +77,6 @@ __device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
   return value < 0 ? 0 : (value > most ? static_cast<int32_t>(most) : value);
 }
 
-// Fills `bytes` at p with 0xff (NaN in every float type, -1 in int32), grid-stride over all threads.
-__device__ inline void Poison(void* p, int64_t bytes) {
-  if (p == nullptr) return;
-  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  char* c = static_cast<char*>(p);
-  for (int64_t i = first; i < bytes; i += threads) c[i] = static_cast<char>(0xff);
-}
-
 __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
   const int64_t T = p.num_tokens, K = p.topk, R = num_ranks;
   Poison(p.out_x, p.num_rows * p.row_bytes);
@@ -105,7 +92,7 @@ __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
   Poison(p.row_slot, p.num_rows * 4);
 }
 
-// The receiver's tables (routing mode), in shared memory: for source r and local expert l, the layout
+// The receiver's tables, in shared memory: for source r and local expert l, the layout
 // position of r's first slot of l (start[r * L + l]: a row in the ragged layout, an index within expert l's
 // rows in the expert layout), each segment's first row (ragged), and each local expert's slots from all ranks.
 struct Tables {
@@ -116,8 +103,10 @@ struct Tables {
   int32_t* data_end;    // rows up to the end of the last segment (ragged), N (expert)
 };
 
+// total rounded up to a multiple of alignment (which the API keeps at most the capacity, an int32).
 __device__ inline int32_t Padded(int32_t total, int64_t alignment) {
-  return static_cast<int32_t>((total + alignment - 1) / alignment * alignment);
+  const uint32_t a = static_cast<uint32_t>(alignment);
+  return static_cast<int32_t>((static_cast<uint32_t>(total) + a - 1) / a * a);
 }
 
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
@@ -160,7 +149,7 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     before += Padded(t.total[l], p.alignment);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < R * L; i += blockDim.x) t.start[i] += t.seg_start[i % L];
+  for (int32_t i = threadIdx.x; i < R * L; i += blockDim.x) t.start[i] += t.seg_start[i % static_cast<int32_t>(L)];
   if (threadIdx.x == 0) {
     const int32_t end = t.seg_start[L - 1] + Padded(t.total[L - 1], p.alignment);
     *t.data_end = static_cast<int32_t>(std::min<int64_t>(end, p.capacity));
@@ -168,7 +157,7 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   __syncthreads();
 }
 
-// Block 0 (routing mode): group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
+// Block 0: group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
 __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const int32_t* scratch, const Tables& t) {
   __shared__ int32_t dropped;
   if (threadIdx.x == 0) dropped = 0;
@@ -236,43 +225,41 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
   __syncwarp();
 }
 
-// Rows that hold no slot (routing mode): weight 0 and no slot; zeros in x inside the data (alignment padding,
-// the expert layout's unused rows), nothing in the ragged tail.
-__device__ void FillRow(const DispatchParams& p, const Tables& t, int64_t n, int lane) {
-  bool padding;
-  if (p.expert_layout) {
-    const int32_t capacity = static_cast<int32_t>(p.capacity), row = static_cast<int32_t>(n);
-    padding = row % capacity >= t.total[row / capacity];
-  } else {
-    if (n >= *t.data_end) {
-      if (lane == 0) {
-        p.weights[n] = 0.0f;
-        p.row_slot[n] = -1;
+// One warp, rows n0 .. n0 + 31 (a lane each): those that hold no slot get weight 0 and no slot, and zeros in x
+// inside the data (alignment padding, the expert layout's unused rows); the ragged tail keeps its x.
+__device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, int lane) {
+  const int32_t n = n0 + lane;
+  bool empty = false, padding = false;
+  if (n < p.num_rows) {
+    if (p.expert_layout) {
+      const int32_t capacity = static_cast<int32_t>(p.capacity);
+      padding = empty = n % capacity >= t.total[n / capacity];
+    } else if (n >= *t.data_end) {
+      empty = true;
+    } else {
+      int32_t lo = 0, hi = static_cast<int32_t>(p.local_experts);  // the last segment that starts at or before n
+      while (hi - lo > 1) {
+        const int32_t mid = (lo + hi) / 2;
+        if (t.seg_start[mid] <= n) lo = mid; else hi = mid;
       }
-      return;
+      padding = empty = n - t.seg_start[lo] >= t.total[lo];
     }
-    int64_t lo = 0, hi = p.local_experts;  // the last segment that starts at or before n
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (t.seg_start[mid] <= n) lo = mid; else hi = mid;
-    }
-    padding = n - t.seg_start[lo] >= t.total[lo];
   }
-  if (!padding) return;
-  if (lane == 0) {
+  if (empty) {
     p.weights[n] = 0.0f;
     p.row_slot[n] = -1;
   }
-  CopyRow(nullptr, p.out_x + n * p.row_bytes, p.row_bytes, lane);
+  for (unsigned mask = __ballot_sync(0xffffffffu, padding); mask != 0; mask &= mask - 1) {
+    CopyRow(nullptr, p.out_x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
+  }
 }
 
-template <bool kRouting>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
-  const Call call = CurrentCall(g, kRouting ? kOpDispatch : kOpDispatchRows);
+  const Call call = CurrentCall(g, kOpDispatch);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -288,36 +275,24 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
         const UnitPiece up = SplitItem(item, p.send_pieces);
         const int32_t t = up.unit / R;
         const int dest = up.unit - t * R;
-        int32_t pos;
-        if constexpr (kRouting) {
-          pos = TokenPos(p, scratch, R, t, dest);
-          if (up.piece == 0 && lane == 0) p.token_dest_pos[t * R + dest] = pos;
-        } else {
-          pos = p.given_dest_pos[t * R + dest];
-        }
+        const int32_t pos = TokenPos(p, scratch, R, t, dest);
+        if (up.piece == 0 && lane == 0) p.token_dest_pos[t * R + dest] = pos;
         if (dest == me || pos < 0) continue;
-        char* region = RegionAt(g, call, dest, p.region.bytes);
-        int64_t begin, end;
-        PieceBytes(p.row_bytes, p.send_pieces, up.piece, &begin, &end);
-        CopyRow(p.x + t * p.row_bytes + begin, region + p.region.rows + pos * p.region.stride + begin, end - begin,
-                lane);
-        if constexpr (kRouting) {
-          if (up.piece == 0) {
-            StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
-            for (int64_t k = lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
-          }
+        StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
+        if (up.piece == 0) {
+          char* region = RegionAt(g, call, dest, p.region.bytes);
+          StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
+          for (int64_t k = lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
         }
       }
-      if constexpr (kRouting) {
-        if (blockIdx.x == 0 && warp == 0) {  // this rank's counts for each peer's local experts
-          for (int dest = 0; dest < R; ++dest) {
-            if (dest == me) continue;
-            int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
-            for (int64_t l = lane; l < p.local_experts; l += 32) {
-              counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
-            }
-            if (lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
+      if (blockIdx.x == 0 && warp == 0) {  // this rank's counts for each peer's local experts
+        for (int dest = 0; dest < R; ++dest) {
+          if (dest == me) continue;
+          int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
+          for (int64_t l = lane; l < p.local_experts; l += 32) {
+            counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
           }
+          if (lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
         }
       }
     }
@@ -326,125 +301,53 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
   if (!may_run || !WaitPeers(g, call)) {
-    if constexpr (kRouting) {
-      PoisonOutputs(p, R);
-    } else {
-      Poison(p.out_x, p.num_rows * p.row_bytes);
-    }
+    PoisonOutputs(p, R);
     FinishCall(g, call);
     return;
   }
 
-  if constexpr (kRouting) {
-    const int64_t L = p.local_experts;
-    const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
-    BuildTables(p, g, call, scratch, tables);
-    if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
-    const int64_t token_items = R * T * p.recv_pieces;
-    for (int64_t item = first_warp; item < token_items + p.num_rows; item += warps) {
-      if (item >= token_items) {
-        FillRow(p, tables, item - token_items, lane);
-        continue;
-      }
-      const UnitPiece up = SplitItem(item, p.recv_pieces);
-      const int source = up.unit / static_cast<int32_t>(T);
-      const int32_t i = up.unit - source * static_cast<int32_t>(T);
-      if (up.piece == 0 && i >= recv_count[source]) {
-        for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
-      }
-      if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
-        const int32_t pos = TokenPos(p, scratch, R, i, me);
-        if (pos < 0) continue;
-        auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
-        Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
-      } else if (i < recv_count[source]) {
-        const char* region = RegionFrom(g, call, source, p.region.bytes);
-        const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
-        auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
-        Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
-      }
+  const int64_t L = p.local_experts;
+  const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
+  BuildTables(p, g, call, scratch, tables);
+  if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
+  const int64_t token_items = R * T * p.recv_pieces;
+  for (int64_t item = first_warp; item < token_items + (p.num_rows + 31) / 32; item += warps) {
+    if (item >= token_items) {
+      FillRows(p, tables, static_cast<int32_t>(item - token_items) * 32, lane);
+      continue;
     }
-  } else {
-    for (int64_t item = first_warp; item < R * T * p.recv_pieces; item += warps) {
-      const UnitPiece up = SplitItem(item, p.recv_pieces);
-      const int source = up.unit / static_cast<int32_t>(T);
-      const int32_t i = up.unit - source * static_cast<int32_t>(T);
-      const int32_t* rows;
-      const char* src;
-      bool staged = false;
-      if (source == me) {
-        const int32_t pos = p.given_dest_pos[i * R + me];
-        if (pos < 0) continue;
-        rows = p.given_rows + (me * T + pos) * K;
-        src = p.x + i * p.row_bytes;
-      } else {
-        if (i >= p.given_counts[source]) continue;
-        rows = p.given_rows + (source * T + i) * K;
-        src = RegionFrom(g, call, source, p.region.bytes) + p.region.rows + i * p.region.stride;
-        staged = true;
-      }
-      int count = 0;
-      for (int64_t k0 = 0; k0 < K; k0 += 32) {
-        const int32_t row = k0 + lane < K ? rows[k0 + lane] : -1;
-        const unsigned valid = __ballot_sync(0xffffffffu, row >= 0);
-        if (row >= 0) held[count + __popc(valid & ((1u << lane) - 1))] = row;
-        count += __popc(valid);
-      }
-      __syncwarp();
-      int64_t begin, end;
-      PieceBytes(p.row_bytes, p.recv_pieces, up.piece, &begin, &end);
-      if (staged) {
-        CopyToRows<true>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
-      } else {
-        CopyToRows<false>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
-      }
-      __syncwarp();
+    const UnitPiece up = SplitItem(item, p.recv_pieces);
+    const int source = up.unit / static_cast<int32_t>(T);
+    const int32_t i = up.unit - source * static_cast<int32_t>(T);
+    if (up.piece == 0 && i >= recv_count[source]) {
+      for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
+    }
+    if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
+      const int32_t pos = TokenPos(p, scratch, R, i, me);
+      if (pos < 0) continue;
+      auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
+      Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
+    } else if (i < recv_count[source]) {
+      const char* region = RegionFrom(g, call, source, p.region.bytes);
+      const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
+      auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
+      Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
     }
   }
   FinishCall(g, call);
 }
 
-Status LaunchStatus(const char* kernel) {
-  const cudaError_t status = cudaGetLastError();
-  if (status == cudaSuccess) return Status::Ok();
-  return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
-}
-
-// What both dispatch launchers check and plan: the call's regions fit a staging half, each phase's pieces per row,
-// and its warp items (the receive phase has `extra_receive_items` more: the routing mode's row items).
-Status Plan(DispatchParams* p, int64_t extra_receive_items, const GroupView& g, int64_t* send_items,
-            int64_t* recv_items) {
+// The dispatch's checks and plan: its regions fit a staging half, each phase's pieces per row, and its warp
+// items (the receive phase also has one item per 32 layout rows).
+Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t* recv_items) {
   Status status = CheckStaging(p->region.bytes, g);
   if (!status.ok()) return status;
   const int64_t steps = CopySteps(p->row_bytes), units = p->num_tokens * g.num_ranks;
   p->send_pieces = PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks);
   p->recv_pieces = PiecesPerRow(units, steps, g.max_blocks);
   *send_items = units * p->send_pieces;
-  *recv_items = units * p->recv_pieces + extra_receive_items;
+  *recv_items = units * p->recv_pieces + (p->num_rows + 31) / 32;
   return CheckItems(std::max(*send_items, *recv_items));
-}
-
-// Runs the kernel fused, or (with NCCL ranks) as a send launch, the NCCL swap and a receive launch.
-template <bool kRouting>
-Status Run(DispatchParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, int64_t send_items,
-           int64_t recv_items, size_t shared) {
-  const char* name = kRouting ? "DispatchKernel<routing>" : "DispatchKernel<rows>";
-  if (g.nccl_ranks == 0) {
-    p.do_send = p.do_receive = true;
-    DispatchKernel<kRouting><<<BlocksFor(std::max(send_items, recv_items), g.max_blocks), kThreads, shared, stream>>>(
-        p, g);
-    return LaunchStatus(name);
-  }
-  p.do_send = true;
-  p.do_receive = false;
-  DispatchKernel<kRouting><<<BlocksFor(send_items, g.max_blocks), kThreads, shared, stream>>>(p, g);
-  Status status = LaunchStatus(name);
-  if (!status.ok()) return status;
-  if (!(status = swap(p.region.bytes)).ok()) return status;
-  p.do_send = false;
-  p.do_receive = true;
-  DispatchKernel<kRouting><<<BlocksFor(recv_items, g.max_blocks), kThreads, shared, stream>>>(p, g);
-  return LaunchStatus(name);
 }
 
 }  // namespace
@@ -456,6 +359,10 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
                                    " and at most " + std::to_string(kMaxExperts) + ", and topk at most " +
                                    std::to_string(kMaxTopk) + "; got num_experts=" + std::to_string(c.num_experts) +
                                    ", topk=" + std::to_string(c.topk));
+  }
+  if (c.num_rows > kMaxItems) {
+    return Status::InvalidArgument("the layout has " + std::to_string(c.num_rows) + " rows, more than the " +
+                                   std::to_string(kMaxItems) + " the kernels index");
   }
   DispatchParams p{};
   p.x = c.x;
@@ -490,46 +397,26 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
   }
   int64_t send_items, recv_items;
-  Status status = Plan(&p, c.num_rows, g, &send_items, &recv_items);
+  Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   if (!(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
     return status;
   }
-  return Run<true>(p, g, swap, stream, send_items, recv_items, shared);
-}
-
-Status LaunchDispatchRows(const DispatchRowsCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
-  DispatchParams p{};
-  p.x = c.x;
-  p.axis_index = c.axis_index;
-  p.num_tokens = c.num_tokens;
-  p.row_bytes = c.row_bytes;
-  p.topk = c.topk;
-  p.num_rows = c.num_rows;
-  p.given_dest_pos = c.token_dest_pos;
-  p.given_rows = c.recv_rows;
-  p.given_counts = c.recv_counts;
-  p.out_x = c.out_rows;
-  p.region = DispatchRegion(c.num_tokens, c.topk, 0, c.row_bytes);
-  if (c.topk > kMaxTopk) {
-    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
-                                   std::to_string(c.topk));
-  }
-  int64_t send_items, recv_items;
-  const Status status = Plan(&p, 0, g, &send_items, &recv_items);
-  if (!status.ok()) return status;
-  return Run<false>(p, g, swap, stream, send_items, recv_items, 0);
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
+    p.do_send = send;
+    p.do_receive = receive;
+    DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
+    return LaunchStatus("DispatchKernel");
+  });
 }
 
 Status PrepareKernels() {
   Status status = PrepareRoutingKernel();
   if (!status.ok()) return status;
-  for (auto kernel : {DispatchKernel<true>, DispatchKernel<false>}) {
-    const cudaError_t error =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
-    if (error != cudaSuccess) {
-      return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
-    }
+  const cudaError_t error =
+      cudaFuncSetAttribute(DispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
+  if (error != cudaSuccess) {
+    return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
   }
   return Status::Ok();
 }

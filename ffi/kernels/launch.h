@@ -23,7 +23,7 @@ constexpr int kMaxTopk = 64;         // a token's rows are sorted and held in sh
 constexpr int64_t kMaxExperts = 8192;  // the receivers' row tables live in shared memory
 
 // What a call is: flags carry (call number << 8 | op), so a wait can tell another call's data from its own.
-enum Op : uint32_t { kOpDispatch = 1, kOpDispatchRows = 2, kOpCombine = 3 };
+enum Op : uint32_t { kOpDispatch = 1, kOpCombineBackward = 2, kOpCombine = 3 };
 
 // Why a call failed, in HostStatus::code and in the abort word.
 enum FailCode : int32_t {
@@ -141,16 +141,22 @@ struct DispatchCall {
 Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap,
                            cudaStream_t stream);
 
-// The tokens' trip along a given routing (the backward pass of combine): held layout rows only.
-struct DispatchRowsCall {
-  const char* x;
+// The backward pass of combine: each token's cotangent g [T, H] goes along the handle's routing to the rows
+// it reached, where dy = w * g (y's type) and dweights = <g, y[row]> (float32) are computed; rows that hold no
+// slot get 0. Without weights: dy = g and no dweights.
+struct CombineBackwardCall {
+  const void* g;            // [T, H], y's type
+  const void* y;            // [N, H]
+  const float* weights;     // [N] or null
   const int32_t* axis_index;
-  const int32_t *token_dest_pos, *recv_rows, *recv_counts;
-  int64_t num_tokens, row_bytes, topk, num_rows;
-  char* out_rows;
+  const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
+  int64_t num_tokens, hidden, topk, num_rows;
+  FloatType type;
+  void* dy;                 // [N, H]
+  float* dweights;          // [N] when weights
 };
-Status LaunchDispatchRows(const DispatchRowsCall& call, const GroupView& group, const NcclSwap& swap,
-                               cudaStream_t stream);
+Status LaunchCombineBackward(const CombineBackwardCall& call, const GroupView& group, const NcclSwap& swap,
+                             cudaStream_t stream);
 
 // Combine: partial sums in row order to their source ranks, summed there in rank order. With row_values,
 // also every slot's row value (the backward pass of dispatch).

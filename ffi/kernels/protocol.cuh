@@ -110,9 +110,10 @@ __device__ inline bool Aborted(const GroupView& g, const Call& call) {
 __device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
+    const int32_t axis = __ldg(axis_index);  // in flight together with the abort word's load
     ok = !Aborted(g, call);
-    if (ok && *axis_index != g.rank) {
-      Fail(g, call, kWrongRank, *axis_index, 0);
+    if (ok && axis != g.rank) {
+      Fail(g, call, kWrongRank, axis, 0);
       ok = 0;
     }
   }

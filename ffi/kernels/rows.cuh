@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -85,6 +86,25 @@ inline Status CheckStaging(int64_t region_bytes, const GroupView& group) {
                            "dtype=jnp.float32)");
 }
 
+inline Status LaunchStatus(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return Status::Ok();
+  return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
+}
+
+// Runs a transfer fused (one launch that sends and receives), or, with ranks reached through NCCL, as a send
+// launch, the swap of `region_bytes` per rank and a receive launch. launch(send, receive, items) launches the
+// kernel for that many warp items and returns LaunchStatus.
+template <typename Launch>
+Status RunTransfer(const GroupView& g, const NcclSwap& swap, int64_t region_bytes, int64_t send_items,
+                   int64_t recv_items, Launch launch) {
+  if (g.nccl_ranks == 0) return launch(true, true, std::max(send_items, recv_items));
+  Status status = launch(true, false, send_items);
+  if (!status.ok()) return status;
+  if (!(status = swap(region_bytes)).ok()) return status;
+  return launch(false, true, recv_items);
+}
+
 // A 16-byte load: from L2 for data peers stored during this kernel (staged), else a plain load.
 template <bool kStaged>
 __device__ inline uint4 Load16(const uint4* p) {
@@ -137,6 +157,26 @@ __device__ inline void CopyRow(const char* src, char* dst, int64_t bytes, int la
   CopyToRows<false>(src, &zero, 1, dst, 0, bytes, lane);
 }
 
+// Fills `bytes` at p with 0xff (NaN in every float type, -1 in int32), grid-stride over all threads.
+__device__ inline void Poison(void* p, int64_t bytes) {
+  if (p == nullptr) return;
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  char* c = static_cast<char*>(p);
+  for (int64_t i = first; i < bytes; i += threads) c[i] = static_cast<char>(0xff);
+}
+
+// One warp stores piece `piece` (of `pieces`) of token row x[t] at position `pos` of its region for rank `dest`:
+// the send phase of a dispatch and of combine's backward pass.
+__device__ inline void StoreTokenPiece(const GroupView& g, const Call& call, const DispatchRegion& region,
+                                       const char* x, int64_t row_bytes, int32_t t, int dest, int32_t pos,
+                                       int pieces, int piece, int lane) {
+  char* at = RegionAt(g, call, dest, region.bytes) + region.rows + pos * region.stride;
+  int64_t begin, end;
+  PieceBytes(row_bytes, pieces, piece, &begin, &end);
+  CopyRow(x + t * row_bytes + begin, at + begin, end - begin, lane);
+}
+
 __device__ inline float ToFloat(float v) { return v; }
 __device__ inline float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ inline float ToFloat(__half v) { return __half2float(v); }
@@ -154,6 +194,59 @@ __device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
 template <>
 __device__ inline __half FromFloat<__half>(float v) {
   return __float2half(v);
+}
+
+template <typename T>
+constexpr int Wide() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece.
+__host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
+  return (hidden + 32 * width - 1) / (32 * width);
+}
+__device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin, int64_t* end) {
+  const int32_t steps = static_cast<int32_t>(SumSteps(hidden, width));
+  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
+  *begin = first * 32 * width;
+  *end = std::min<int64_t>(last * 32 * width, hidden);
+}
+
+// `width` values of type P at dst from float32 (16-byte stores when the width fills them).
+template <typename P, int kWide>
+__device__ inline void StoreValues(P* dst, const float (&acc)[kWide], int width) {
+  if (width != kWide) {
+    dst[0] = FromFloat<P>(acc[0]);
+    return;
+  }
+  alignas(16) P packed[kWide];
+#pragma unroll
+  for (int v = 0; v < kWide; ++v) packed[v] = FromFloat<P>(acc[v]);
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
+    reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(packed)[c];
+  }
+}
+
+// ... and back: `width` staged values of type P at src (stored by a peer during this kernel) as float32.
+template <typename P, int kWide>
+__device__ inline void LoadStaged(const P* src, float (&out)[kWide], int width) {
+  if (width != kWide) {
+    if constexpr (sizeof(P) == 4) {
+      out[0] = __int_as_float(__ldcg(reinterpret_cast<const int*>(src)));
+    } else {
+      const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(src));
+      out[0] = ToFloat(*reinterpret_cast<const P*>(&bits));
+    }
+    return;
+  }
+  alignas(16) P packed[kWide];
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
+    reinterpret_cast<uint4*>(packed)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
+  }
+#pragma unroll
+  for (int v = 0; v < kWide; ++v) out[v] = ToFloat(packed[v]);
 }
 
 }  // namespace jax_ep

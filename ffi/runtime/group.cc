@@ -35,7 +35,7 @@ struct IpcHandles {
 const char* OpName(int op) {
   switch (op) {
     case kOpDispatch: return "dispatch";
-    case kOpDispatchRows: return "the backward pass of combine";
+    case kOpCombineBackward: return "the backward pass of combine";
     case kOpCombine: return "combine";
   }
   return "a jax_ep call";

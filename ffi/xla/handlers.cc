@@ -191,37 +191,57 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int
   return ToFfi(kOp, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream));
 }
 
-ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer x,
-                        I32Matrix token_dest_pos, I32Cube recv_rows, I32Vector recv_counts, I32Scalar axis_index,
-                        ffi::Result<ffi::AnyBuffer> out) {
-  constexpr const char* kOp = "jax_ep_dispatch_rows";
+ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
+                           ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
+                           I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
+                           ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
+  constexpr const char* kOp = "jax_ep_combine_backward";
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
+  auto type = TypeOf(kOp, y.element_type());
+  if (type.has_error()) return type.error();
   const int64_t R = (*device)->num_ranks;
-  const auto x_dims = x.dimensions();
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "x", x_dims.size() == 2, "[T, H]", Dims(x_dims)));
-  const int64_t T = x_dims[0];
-  const int64_t row_bytes = T == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / T;
-  const auto rows_dims = recv_rows.dimensions();
+  const auto g_dims = g.dimensions(), y_dims = y.dimensions(), rows_dims = recv_rows.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "y", y_dims.size() == 2, "[N, H]", Dims(y_dims)));
+  const int64_t N = y_dims[0], H = y_dims[1];
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the cotangent", g_dims.size() == 2 && g_dims[1] == H &&
+                                    g.element_type() == y.element_type(),
+                                "[T, H=" + Str(H) + "] of y's dtype", Dims(g_dims)));
+  const int64_t T = g_dims[0];
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", rows_dims[0] == R && rows_dims[1] == T,
                                 "[R=" + Str(R) + ", T=" + Str(T) + ", K]", Dims(rows_dims)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos.element_count() == static_cast<size_t>(T * R),
                                 "[T, R]", Dims(token_dest_pos.dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_counts", recv_counts.element_count() == static_cast<size_t>(R), "[R]",
                                 Dims(recv_counts.dimensions())));
-  const int64_t N = row_bytes == 0 ? 0 : static_cast<int64_t>(out->size_bytes()) / row_bytes;
-  DispatchRowsCall call{};
-  call.x = static_cast<const char*>(x.untyped_data());
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "row_slot", row_slot.element_count() == static_cast<size_t>(N), "[N]",
+                                Dims(row_slot.dimensions())));
+  const bool has_weights = weights.element_count() != 0;
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", !has_weights || weights.element_count() == static_cast<size_t>(N),
+                                "[N=" + Str(N) + "] or empty", Dims(weights.dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dy", dy->element_count() == static_cast<size_t>(N * H) &&
+                                    dy->element_type() == y.element_type(),
+                                "[N, H] of y's dtype", Dims(dy->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dweights",
+                                dweights->element_count() == static_cast<size_t>(has_weights ? N : 0),
+                                has_weights ? "[N]" : "[0] without weights", Dims(dweights->dimensions())));
+  CombineBackwardCall call{};
+  call.g = g.untyped_data();
+  call.y = y.untyped_data();
+  call.weights = has_weights ? weights.typed_data() : nullptr;
   call.axis_index = axis_index.typed_data();
   call.token_dest_pos = token_dest_pos.typed_data();
   call.recv_rows = recv_rows.typed_data();
   call.recv_counts = recv_counts.typed_data();
+  call.row_slot = row_slot.typed_data();
   call.num_tokens = T;
-  call.row_bytes = row_bytes;
+  call.hidden = H;
   call.topk = rows_dims[2];
   call.num_rows = N;
-  call.out_rows = static_cast<char*>(out->untyped_data());
-  return ToFfi(kOp, LaunchDispatchRows(call, (*device)->View(), SwapFor(*device, stream), stream));
+  call.type = *type;
+  call.dy = dy->untyped_data();
+  call.dweights = has_weights ? dweights->typed_data() : nullptr;
+  return ToFfi(kOp, LaunchCombineBackward(call, (*device)->View(), SwapFor(*device, stream), stream));
 }
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
@@ -316,14 +336,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
                                   .Ret<I32Vector>(),             // row_slot [N]
                               {kCommandBuffers});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchRows, jax_ep::DispatchRows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackward, jax_ep::CombineBackward,
                               BindGroupCall()
-                                  .Arg<ffi::AnyBuffer>()  // x [T, H]
+                                  .Arg<ffi::AnyBuffer>()  // g [T, H]: the cotangent of combine's output
+                                  .Arg<ffi::AnyBuffer>()  // y [N, H]
+                                  .Arg<F32Vector>()       // weights [N], or [0] for weight 1
                                   .Arg<I32Matrix>()       // token_dest_pos [T, R]
                                   .Arg<I32Cube>()         // recv_rows [R, T, K]
                                   .Arg<I32Vector>()       // recv_counts [R]
+                                  .Arg<I32Vector>()       // row_slot [N]
                                   .Arg<I32Scalar>()       // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>(),  // rows [N, H]: held rows only
+                                  .Ret<ffi::AnyBuffer>()  // dy [N, H]
+                                  .Ret<F32Vector>(),      // dweights [N], or [0] without weights
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,

@@ -80,7 +80,7 @@ NB_MODULE(_jax_ep_cuda, m) {
     nb::dict targets;
     const std::pair<const char*, void*> calls[] = {
         {"jax_ep_dispatch", reinterpret_cast<void*>(JaxEpDispatch)},
-        {"jax_ep_dispatch_rows", reinterpret_cast<void*>(JaxEpDispatchRows)},
+        {"jax_ep_combine_backward", reinterpret_cast<void*>(JaxEpCombineBackward)},
         {"jax_ep_combine", reinterpret_cast<void*>(JaxEpCombine)},
     };
     for (const auto& [name, execute] : calls) {

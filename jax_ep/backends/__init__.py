@@ -3,8 +3,8 @@
 * ``dispatch(config, x, topk_idx, topk_weights) -> Dispatched``
 * ``combine(handle, rows, weights, partial_dtype, row_values=None) -> (out [T, H], slot values [T, K] or None)``:
   the forward combine, and the backward pass of dispatch (with ``row_values``, the weights' cotangent).
-* ``redispatch(handle, x [T, H]) -> rows [N, H]``: token rows along the routing of ``handle`` (the backward pass
-  of combine); rows that hold no slot are unspecified (the caller masks them with ``handle.row_slot``).
+* ``combine_backward(handle, cotangent [T, H], y, weights) -> (dy, dweights or None)``: the backward pass of
+  combine; ``dy = w * g`` and ``dweights = <g, y[row]>`` on held rows, exactly 0 on rows that hold no slot.
 
 ``jax_ep._api`` calls only these; each backend owns its fusions and fallbacks.
 """

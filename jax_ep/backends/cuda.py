@@ -2,7 +2,8 @@
 
 * ``jax_ep_dispatch``: routing layout (kernel 1), then one kernel that stores each token once into every
   peer rank it is routed to and expands what it receives into the layout (kernel 2).
-* ``jax_ep_dispatch_rows``: kernel 2 alone, along a given handle (the backward pass of combine).
+* ``jax_ep_combine_backward``: one kernel: each token's cotangent travels along the handle's routing like a
+  dispatch, and each held row gets ``dy = w * g`` and ``dweights = <g, y[row]>`` where it lives.
 * ``jax_ep_combine``: one kernel: partial sums to their source ranks, then each source adds them in rank order
   (also the backward pass of dispatch, with the weights' cotangent going back to the slots).
 
@@ -107,16 +108,34 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     )
 
 
-def redispatch(handle: Handle, x: jax.Array) -> jax.Array:
-    """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]`` (one FFI call).
-
-    Only rows that hold a slot are written; the caller masks the others.
-    """
-    _check_dtype("cotangents", x)
+def combine_backward(
+    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
+    _check_dtype("y", y)
     config = handle.config
-    result = _result(x, (config.num_rows, x.shape[1]), x.dtype)
+    rows = y.reshape(config.num_rows, -1)
+    flat_weights = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
+    results = (
+        _result(rows, rows.shape, rows.dtype),
+        _result(rows, (config.num_rows if weights is not None else 0,), jnp.float32),
+    )
     h = handle
-    return _call("jax_ep_dispatch_rows", result, x, h.token_dest_pos, h.recv_rows, h.recv_counts, config=config)
+    dy, dweights = _call(
+        "jax_ep_combine_backward",
+        results,
+        cotangent.astype(rows.dtype),
+        rows,
+        flat_weights,
+        h.token_dest_pos,
+        h.recv_rows,
+        h.recv_counts,
+        h.row_slot,
+        config=config,
+    )
+    if weights is None:
+        return dy.reshape(y.shape), None
+    return dy.reshape(y.shape), dweights.reshape(weights.shape).astype(weights.dtype)
 
 
 def combine(

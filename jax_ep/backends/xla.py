@@ -138,3 +138,21 @@ def combine(
     topk = jnp.arange(config.topk, dtype=jnp.int32)[None, :]
     values = jnp.where(dest >= 0, back_values[jnp.maximum(dest, 0), jnp.maximum(dest_pos, 0), topk], 0.0)
     return out, values
+
+
+def combine_backward(
+    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """The backward pass of combine: ``dy`` (``y``'s shape and dtype) and ``dweights`` (``weights``' shape and
+    dtype, None without weights) from the cotangent ``[T, H]`` of combine's output.
+
+    Each held row gets ``dy = w * g`` and ``dweights = <g, y[row]>`` in float32, ``g`` its token's cotangent;
+    rows that hold no slot get exactly 0, even where ``y``, ``weights`` or the ragged tail hold NaN or inf.
+    """
+    rows_ct = redispatch(handle, cotangent).astype(jnp.float32).reshape(y.shape)
+    held = (handle.row_slot >= 0).reshape(y.shape[:-1])[..., None]
+    if weights is None:
+        return jnp.where(held, rows_ct, 0.0).astype(y.dtype), None
+    dy = jnp.where(held, rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
+    dweights = jnp.sum(jnp.where(held, rows_ct * y.astype(jnp.float32), 0.0), axis=-1)
+    return dy, dweights.astype(weights.dtype)

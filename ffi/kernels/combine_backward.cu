@@ -1,0 +1,310 @@
+// The backward pass of combine: each token's cotangent g goes along the handle's routing to the ranks that hold
+// its rows (the send phase of a dispatch), and each held row gets, where it lives, dy = w * g in y's type and
+// dweights = <g, y[row]> in float32. Rows that hold no slot get 0. A token's pieces of H are consecutive warps of
+// one block, which add their parts of each dot in piece order in shared memory, so every value is the same on
+// every run.
+#include "launch.h"
+#include "protocol.cuh"
+#include "rows.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+struct BackwardParams {
+  const char* g;
+  const void* y;
+  const float* weights;  // null: weight 1, and no dweights
+  const int32_t* axis_index;
+  const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
+  int64_t num_tokens, hidden, topk, num_rows, row_bytes;
+  int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
+  void* dy;
+  float* dweights;
+  DispatchRegion region;
+  int send_pieces, recv_pieces;  // recv_pieces divides kWarps
+  bool do_send, do_receive;
+};
+
+// Steps (32 lanes x 16 bytes) of g a warp holds in registers at once.
+constexpr int kStepsHeld = 4;
+
+template <typename Y>
+__device__ inline float Dot16(const uint4& a, const uint4& b) {
+  const Y* u = reinterpret_cast<const Y*>(&a);
+  const Y* v = reinterpret_cast<const Y*>(&b);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < Wide<Y>(); ++i) sum += ToFloat(u[i]) * ToFloat(v[i]);
+  return sum;
+}
+
+template <typename Y>
+__device__ inline uint4 Scale16(const uint4& a, float w) {
+  uint4 out;
+  const Y* u = reinterpret_cast<const Y*>(&a);
+  Y* o = reinterpret_cast<Y*>(&out);
+#pragma unroll
+  for (int i = 0; i < Wide<Y>(); ++i) o[i] = FromFloat<Y>(ToFloat(u[i]) * w);
+  return out;
+}
+
+__device__ inline float WarpSum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// One element of g, which a peer may have stored during this kernel.
+template <typename Y>
+__device__ inline float LoadOne(const Y* p) {
+  if constexpr (sizeof(Y) == 4) {
+    return __int_as_float(__ldcg(reinterpret_cast<const int*>(p)));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return ToFloat(*reinterpret_cast<const Y*>(&bits));
+  }
+}
+
+// One warp: a token's rows that this rank holds (rows_by_k[k] >= 0) and their weights, into the warp's shared
+// arrays. Returns how many there are.
+__device__ inline int HeldRows(const int32_t* rows_by_k, int64_t topk, const float* weights, int32_t* rows, float* w,
+                               int lane) {
+  int count = 0;
+  for (int64_t k0 = 0; k0 < topk; k0 += 32) {
+    const int32_t row = k0 + lane < topk ? rows_by_k[k0 + lane] : -1;
+    const unsigned held = __ballot_sync(0xffffffffu, row >= 0);
+    if (row >= 0) {
+      const int at = count + __popc(held & ((1u << lane) - 1));
+      rows[at] = row;
+      w[at] = weights == nullptr ? 1.0f : weights[row];
+    }
+    count += __popc(held);
+  }
+  __syncwarp();
+  return count;
+}
+
+// One warp: elements [begin, end) of token row g, for each of its `count` rows: the dy row, and (with dots) this
+// piece's part of <g, y[row]> added to dots[j] in step order.
+template <typename Y>
+__device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t* rows, const float* w, int count,
+                              int64_t begin, int64_t end, float* dots, int lane) {
+  constexpr int kWide = Wide<Y>();
+  const Y* y = static_cast<const Y*>(p.y);
+  Y* dy = static_cast<Y*>(p.dy);
+  const int64_t H = p.hidden;
+  if (p.width == kWide) {
+    for (int64_t e0 = begin; e0 < end; e0 += 32 * kWide * kStepsHeld) {
+      uint4 gv[kStepsHeld];
+#pragma unroll
+      for (int m = 0; m < kStepsHeld; ++m) {
+        const int64_t e = e0 + (m * 32 + lane) * kWide;
+        if (e < end) gv[m] = __ldcg(reinterpret_cast<const uint4*>(g + e));
+      }
+      for (int j = 0; j < count; ++j) {
+        const int64_t row = rows[j];
+        uint4 yv[kStepsHeld];
+        if (dots != nullptr) {
+#pragma unroll
+          for (int m = 0; m < kStepsHeld; ++m) {
+            const int64_t e = e0 + (m * 32 + lane) * kWide;
+            if (e < end) yv[m] = *reinterpret_cast<const uint4*>(y + row * H + e);
+          }
+        }
+        float part = 0.0f;
+#pragma unroll
+        for (int m = 0; m < kStepsHeld; ++m) {
+          const int64_t e = e0 + (m * 32 + lane) * kWide;
+          if (e >= end) continue;
+          *reinterpret_cast<uint4*>(dy + row * H + e) = Scale16<Y>(gv[m], w[j]);
+          if (dots != nullptr) part += Dot16<Y>(gv[m], yv[m]);
+        }
+        if (dots != nullptr) {
+          part = WarpSum(part);
+          if (lane == 0) dots[j] += part;
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t e0 = begin; e0 < end; e0 += 32) {
+    const int64_t e = e0 + lane;
+    const float gvalue = e < end ? LoadOne(g + e) : 0.0f;
+    for (int j = 0; j < count; ++j) {
+      const int64_t at = static_cast<int64_t>(rows[j]) * H + e;
+      float part = 0.0f;
+      if (e < end) {
+        dy[at] = FromFloat<Y>(gvalue * w[j]);
+        if (dots != nullptr) part = gvalue * ToFloat(y[at]);
+      }
+      if (dots != nullptr) {
+        part = WarpSum(part);
+        if (lane == 0) dots[j] += part;
+      }
+    }
+  }
+}
+
+template <typename Y>
+__global__ void __launch_bounds__(kThreads) CombineBackwardKernel(BackwardParams p, GroupView g) {
+  __shared__ int32_t held_rows[kWarps][kMaxTopk];
+  __shared__ float held_weights[kWarps][kMaxTopk];
+  __shared__ float dots[kWarps][kMaxTopk];
+  const Call call = CurrentCall(g, kOpCombineBackward);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int R = g.num_ranks, me = g.rank;
+  const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
+  const bool may_run = CallMayRun(g, call, p.axis_index);
+
+  if (p.do_send) {
+    if (may_run) {
+      for (int64_t item = first_warp; item < T * R * p.send_pieces; item += warps) {
+        const UnitPiece up = SplitItem(item, p.send_pieces);
+        const int32_t t = up.unit / R;
+        const int dest = up.unit - t * R;
+        const int32_t pos = p.token_dest_pos[t * R + dest];
+        if (dest == me || pos < 0) continue;
+        StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
+      }
+    }
+    SignalSent(g, call);
+  }
+  if (!p.do_receive) return;
+  NoteSwapDone(g, call);
+  if (!may_run || !WaitPeers(g, call)) {
+    Poison(p.dy, p.num_rows * p.row_bytes);
+    Poison(p.dweights, p.num_rows * 4);
+    FinishCall(g, call);
+    return;
+  }
+
+  // Every block runs the same rounds (the pieces of a token meet at __syncthreads to add their dots).
+  const int pieces = p.recv_pieces;
+  const int64_t items = R * T * pieces;
+  const bool with_dots = p.dweights != nullptr;
+  float* my_dots = with_dots ? dots[warp] : nullptr;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kWarps; base < items; base += warps) {
+    const int64_t item = base + warp;
+    int count = 0, piece = 0;
+    if (item < items) {
+      const UnitPiece up = SplitItem(item, pieces);
+      const int source = up.unit / static_cast<int32_t>(T);
+      const int32_t i = up.unit - source * static_cast<int32_t>(T);
+      piece = up.piece;
+      const int32_t* rows_by_k = nullptr;
+      const char* src = nullptr;
+      if (source == me) {  // one of this rank's own tokens: its cotangent comes straight from g
+        const int32_t pos = p.token_dest_pos[i * R + me];
+        if (pos >= 0) {
+          rows_by_k = p.recv_rows + (me * T + pos) * K;
+          src = p.g + i * p.row_bytes;
+        }
+      } else if (i < p.recv_counts[source]) {
+        rows_by_k = p.recv_rows + (source * T + i) * K;
+        src = RegionFrom(g, call, source, p.region.bytes) + p.region.rows + i * p.region.stride;
+      }
+      if (rows_by_k != nullptr) {
+        count = HeldRows(rows_by_k, K, p.weights, held_rows[warp], held_weights[warp], lane);
+        if (with_dots) {
+          for (int j = lane; j < count; j += 32) my_dots[j] = 0.0f;
+          __syncwarp();
+        }
+        int64_t begin, end;
+        PieceElements(H, p.width, pieces, piece, &begin, &end);
+        BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[warp], held_weights[warp], count, begin, end,
+                         my_dots, lane);
+      }
+    }
+    if (with_dots) {
+      __syncthreads();
+      if (count > 0 && piece == 0) {  // warps warp .. warp + pieces - 1 hold this token's parts, in piece order
+        for (int j = lane; j < count; j += 32) {
+          float total = 0.0f;
+          for (int w = 0; w < pieces; ++w) total += dots[warp + w][j];
+          p.dweights[held_rows[warp][j]] = total;
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  // Rows that hold no slot: dy 0 and dweights 0, 32 rows per warp and round.
+  for (int64_t n0 = first_warp * 32; n0 < p.num_rows; n0 += warps * 32) {
+    const int64_t n = n0 + lane;
+    const bool empty = n < p.num_rows && p.row_slot[n] < 0;
+    if (empty && with_dots) p.dweights[n] = 0.0f;
+    for (unsigned mask = __ballot_sync(0xffffffffu, empty); mask != 0; mask &= mask - 1) {
+      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
+    }
+  }
+  FinishCall(g, call);
+}
+
+// The largest power of two at most `pieces`: it divides kWarps, so a token's pieces share a block.
+int PiecesInBlock(int pieces) {
+  int result = 1;
+  while (result * 2 <= pieces && result * 2 <= kWarps) result *= 2;
+  return result;
+}
+
+template <typename Y>
+Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+  const int R = g.num_ranks;
+  p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
+  const int64_t units = p.num_tokens * R;
+  p.send_pieces = PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks);
+  p.recv_pieces = PiecesInBlock(PiecesPerRow(units, SumSteps(p.hidden, p.width), g.max_blocks));
+  const int64_t send_items = units * p.send_pieces;
+  const int64_t recv_items = std::max(units * p.recv_pieces, (p.num_rows + 31) / 32);
+  const Status checked = CheckItems(std::max(send_items, recv_items));
+  if (!checked.ok()) return checked;
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
+    p.do_send = send;
+    p.do_receive = receive;
+    CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
+    return LaunchStatus("CombineBackwardKernel");
+  });
+}
+
+}  // namespace
+
+Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, const NcclSwap& swap,
+                             cudaStream_t stream) {
+  if (c.topk > kMaxTopk) {
+    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
+                                   std::to_string(c.topk));
+  }
+  const int64_t item = c.type == FloatType::kF32 ? 4 : 2;
+  BackwardParams p{};
+  p.g = static_cast<const char*>(c.g);
+  p.y = c.y;
+  p.weights = c.weights;
+  p.axis_index = c.axis_index;
+  p.token_dest_pos = c.token_dest_pos;
+  p.recv_rows = c.recv_rows;
+  p.recv_counts = c.recv_counts;
+  p.row_slot = c.row_slot;
+  p.num_tokens = c.num_tokens;
+  p.hidden = c.hidden;
+  p.topk = c.topk;
+  p.num_rows = c.num_rows;
+  p.row_bytes = c.hidden * item;
+  p.dy = c.dy;
+  p.dweights = c.weights == nullptr ? nullptr : c.dweights;
+  p.region = DispatchRegion(c.num_tokens, c.topk, 0, p.row_bytes);
+  const Status staging = CheckStaging(p.region.bytes, g);
+  if (!staging.ok()) return staging;
+  switch (c.type) {
+    case FloatType::kF32:
+      return Run<float>(p, g, swap, stream);
+    case FloatType::kBF16:
+      return Run<__nv_bfloat16>(p, g, swap, stream);
+    case FloatType::kF16:
+      return Run<__half>(p, g, swap, stream);
+  }
+  return Status::InvalidArgument("unknown float type");
+}
+
+}  // namespace jax_ep
