@@ -140,11 +140,15 @@ def dense_args(x, w, dy, g):
 
 
 def gmm_fns(plan: gm.Plan):
+    """The custom VJP's three ops with ``plan``, plus the dx kernel alone; ``*_tiles``: the other forward kernel."""
+    tiles = plan._replace(rows="tiles")
     return {
         "fwd": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, plan)),
         "dx": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, plan)),
-        "dx_kernel": jax.jit(lambda dy, w, s: mk.ragged_dot(dy, w, s, plan.dx, transpose_rhs=True)),
+        "dx_kernel": jax.jit(lambda dy, w, s: gm._rows_kernel(plan)(dy, w, s, plan.dx, transpose_rhs=True)),
         "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
+        "fwd_tiles": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, tiles)),
+        "dx_tiles": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, tiles)),
     }
 
 
@@ -193,10 +197,16 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     tflop = 2 * m * k * n / 1e12
     x, w, dy = inputs(m, k, n, g)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
-    row = {"M": m, "K": k, "N": n, "G": g, "plan": {op: b and b._asdict() for op, b in plan._asdict().items()}}
+    row = {"M": m, "K": k, "N": n, "G": g}
+    row["plan"] = {op: (b._asdict() if isinstance(b, tuple) else b) for op, b in plan._asdict().items()}
+    row["errors"] = {}
     log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
     row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))
-    log(f"  sampled check {row['check']}")
+    try:
+        row["check_tiles"] = sampled_check(plan._replace(rows="tiles"), x, w, dy, group_sizes("random", m, g))
+    except Exception as error:  # noqa: BLE001 - the other forward kernel failing is a result
+        row["errors"]["check_tiles"] = f"{type(error).__name__}: {str(error)[:400]}"
+    log(f"  sampled check {row['check']}, with the tiles forward {row.get('check_tiles')} {row['errors']}")
     times = {}
     dargs = dense_args(x, w, dy, g)
     for op, fn in dense_fns().items():
@@ -204,9 +214,14 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     fns = gmm_fns(plan)
     for kind in ("random", "equal"):
         s = jnp.asarray(group_sizes(kind, m, g))
-        args = {"fwd": (x, w, s), "dx": (dy, w, s), "dx_kernel": (dy, w, s), "dw": (x, dy, s)}
         for op, fn in fns.items():
-            times[f"gmm_{op}_{kind}"] = time_call(fn, args[op], iters)
+            args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op == "dw" else (dy, w, s))
+            try:
+                times[f"gmm_{op}_{kind}"] = time_call(fn, args, iters)
+            except Exception as error:  # noqa: BLE001
+                if not op.endswith("_tiles"):
+                    raise
+                row["errors"][f"gmm_{op}_{kind}"] = f"{type(error).__name__}: {str(error)[:400]}"
     log("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in times.items()))
     ragged_status = {}
     if ragged:
@@ -228,7 +243,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     for name, t in times.items():
         if name.startswith("einsum_"):
             continue
-        op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")
+        op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")  # gmm_<op>[_kernel|_tiles]_<kind>
         row["ratio_vs_einsum"][name] = times[f"einsum_{op}"] / t
     return row
 
@@ -237,11 +252,12 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
 
 SWEEP = {
     "fwd": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 8), (128, 128, 64, 6, 16), (64, 256, 64, 4, 4)]
-    + [(64, 128, 64, 5, 8), (128, 256, 64, 3, 4)],
-    "dw": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 128, 128, 3, 1), (128, 256, 64, 3, 1)]
-    + [(64, 256, 64, 4, 1), (128, 128, 32, 6, 1)],
+    + [(64, 128, 64, 5, 8)],
+    "dw": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (64, 256, 64, 4, 1), (128, 128, 64, 2, 4)]
+    + [(64, 128, 64, 6, 4)],
 }
 SWEEP["dx"] = SWEEP["fwd"]
+ROWS_KERNELS = {"upstream": mk.upstream_ragged_dot, "tiles": mk.ragged_dot}
 
 
 def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
@@ -258,20 +274,20 @@ def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
         for op, configs in SWEEP.items():
             for cfg in configs:
                 blocks = mk.Blocks(*cfg)
-                if op == "fwd":
-                    fn = jax.jit(lambda x, w, s, b=blocks: mk.ragged_dot(x, w, s, b))
-                    args = (x, w, s)
-                    fits = k % blocks.block_k == 0 and n % blocks.block_n == 0
-                elif op == "dx":
-                    fn = jax.jit(lambda dy, w, s, b=blocks: mk.ragged_dot(dy, w, s, b, transpose_rhs=True))
-                    args = (dy, w, s)
-                    fits = n % blocks.block_k == 0 and k % blocks.block_n == 0
-                else:
+                if op == "dw":
                     fn = jax.jit(lambda x, dy, s, b=blocks: mk.transposed_ragged_dot(x, dy, s, b))
-                    args = (x, dy, s)
-                    fits = k % blocks.block_m == 0 and n % blocks.block_n == 0
-                if fits:
-                    jobs.append(((m, k, n, g), op, "jax_ep", blocks, fn, args))
+                    if k % blocks.block_m == 0 and n % blocks.block_n == 0:
+                        jobs.append(((m, k, n, g), op, "jax_ep", blocks, fn, (x, dy, s)))
+                    continue
+                for variant, kernel in ROWS_KERNELS.items():
+                    if op == "fwd":
+                        fn = jax.jit(lambda x, w, s, b=blocks, f=kernel: f(x, w, s, b))
+                        args, fits = (x, w, s), k % blocks.block_k == 0 and n % blocks.block_n == 0
+                    else:
+                        fn = jax.jit(lambda dy, w, s, b=blocks, f=kernel: f(dy, w, s, b, transpose_rhs=True))
+                        args, fits = (dy, w, s), n % blocks.block_k == 0 and k % blocks.block_n == 0
+                    if fits:
+                        jobs.append(((m, k, n, g), op, variant, blocks, fn, args))
         jobs.extend(upstream_jobs((m, k, n, g), x, w, dy, s))
 
     def compile_job(job):
@@ -308,25 +324,22 @@ def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
 
 
 def upstream_jobs(shape, x, w, dy, s):
-    """The upstream Pallas kernels at one tile, for comparison (forward: ragged_dot; dw: transposed)."""
+    """JAX's transposed kernel (dw, 0/1 masks by multiplication: not NaN-safe) at one tile, for comparison."""
     try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
     except ImportError:
         return []
     kw = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-    fwd = jax.jit(lambda x, w, s: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=s, **kw))
     dw = jax.jit(lambda x, dy, s: transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=s, **kw))
-    return [(shape, "fwd", "upstream", mk.Blocks(128, 128, 64, 4, 1), fwd, (x, w, s))] + [
-        (shape, "dw", "upstream", mk.Blocks(128, 128, 64, 4, 1), dw, (x, dy, s))
-    ]
+    return [(shape, "dw", "upstream", mk.Blocks(128, 128, 64, 4, 1), dw, (x, dy, s))]
 
 
 def best_of_sweep(results):
     best = {}
     for r in results:
-        if "tflops" not in r or r["variant"] != "jax_ep":
+        if "tflops" not in r or r["variant"] == "einsum" or (r["op"] == "dw" and r["variant"] == "upstream"):
             continue
-        key = (tuple(r["shape"]), r["op"])
+        key = (tuple(r["shape"]), r["op"], r["variant"])
         if key not in best or r["tflops"] > best[key]["tflops"]:
             best[key] = r
     return best
@@ -352,13 +365,12 @@ def main() -> None:
         results = sweep(shapes, args.budget_s, args.iters)
         payload["sweep"] = results
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        print("\nbest tiles per shape and op (TFLOP/s; einsum for reference):")
+        print("\nbest tiles per shape, op and kernel (TFLOP/s; the einsum of the same op for reference):")
         einsum = {(tuple(r["shape"]), r["op"]): r.get("tflops") for r in results if r["variant"] == "einsum"}
-        upstream = {(tuple(r["shape"]), r["op"]): r.get("tflops") for r in results if r["variant"] == "upstream"}
         for key, r in sorted(best_of_sweep(results).items()):
-            e, u = einsum.get(key), upstream.get(key)
-            print(f"  {key[0]} {key[1]:3}: {r['tflops']:6.1f} with {r['blocks']}  einsum {e and round(e, 1)}"
-                  f"  upstream {u and round(u, 1)}")  # fmt: skip
+            e = einsum.get(key[:2])
+            e = e and round(e, 1)
+            print(f"  {key[0]} {key[1]:3} {key[2]:8}: {r['tflops']:6.1f} with {r['blocks']}  einsum {e}")
         return
     rows = []
     for shape in shapes:
@@ -366,16 +378,19 @@ def main() -> None:
         payload["results"] = rows
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print(f"\nwrote {args.out}\nTFLOP/s (ratio to the einsum of the same op); group sizes random, [equal]:")
-    print(f"{'M x K x N, G':24} {'op':3} {'einsum':>7} {'gmm':>15} {'gmm equal':>15} {'ragged_dot':>10}")
+    print(f"{'M x K x N, G':24} {'op':9} {'einsum':>7} {'gmm':>15} {'gmm equal':>15} {'ragged_dot':>10}")
     for r in rows:
         name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
         tf, ratio = r["tflops"], r["ratio_vs_einsum"]
-        for op in ("fwd", "dx", "dx_kernel", "dw"):
-            base = "dx" if op.startswith("dx") else op
+        for op in ("fwd", "fwd_tiles", "dx", "dx_kernel", "dx_tiles", "dw"):
+            base = op.split("_")[0]
             rd = tf.get(f"ragged_dot_{op}")
             rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"
+            if f"gmm_{op}_random" not in tf:
+                print(f"{name:24} {op:9} failed: {r['errors'].get(f'gmm_{op}_random', '')[:60]}")
+                continue
             print(
-                f"{name:24} {op:3} {tf[f'einsum_{base}']:7.1f} "
+                f"{name:24} {op:9} {tf[f'einsum_{base}']:7.1f} "
                 f"{tf[f'gmm_{op}_random']:7.1f} ({ratio[f'gmm_{op}_random']:4.2f}) "
                 f"{tf[f'gmm_{op}_equal']:7.1f} ({ratio[f'gmm_{op}_equal']:4.2f}) {rd_text}"
             )

@@ -8,6 +8,7 @@ dtypes the kernels do not take, :func:`grouped_matmul` is ``jax.lax.ragged_dot``
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -38,38 +39,38 @@ MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class Plan(NamedTuple):
-    """The tiles of each of the three kernels; None runs that one with XLA (``ragged_dot``)."""
+    """The tiles of each of the three kernels (None runs that op with XLA) and the forward/dx kernel.
+
+    ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
+    ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row).
+    """
 
     fwd: Blocks | None
     dx: Blocks | None
     dw: Blocks | None
+    rows: str = "upstream"
 
 
-# Tiles by (op, K, N) of the op's own output tile; "fwd"/"dx": (rows, output columns, contraction step);
-# "dw": (rows of dw = K, columns of dw = N, row step). Tried in order; the first that divides the shape wins.
-# Tuned on one H200 with bench/grouped_matmul.py --sweep (see docs/performance.md).
+# Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
+# sweep strip); "dw": (rows of dw = K, columns of dw = N, row step, ...). Tried in order; the first that
+# divides the shape wins. On one H200 (bench/grouped_matmul.py --sweep, docs/performance.md) dw's first
+# entry was the fastest or within 2% of it at the three shapes of issue 13; the forward's first entry is
+# the only one measured (the upstream kernel).
 _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
-    "fwd": (Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 8), Blocks(64, 64, 64, 4, 1)),
-    "dx": (Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 8), Blocks(64, 64, 64, 4, 1)),
-    "dw": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+    "fwd": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+    "dx": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+    "dw": (Blocks(128, 128, 64, 4, 4), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
 }
-_TUNED: dict[tuple[str, int, int, int], Blocks] = {}
 
 
-def _pick(op: str, m: int, k: int, n: int, g: int) -> Blocks | None:
-    """Tiles for ``op`` of ``[m, k] x [g, k, n]``, or None when no candidate divides the shape."""
-    if op == "fwd":
-        out_cols, contraction = n, k
-    elif op == "dx":
-        out_cols, contraction = k, n
-    else:
-        out_cols, contraction = None, None
-    tuned = _TUNED.get((op, k, n, g))
-    for blocks in (tuned,) * (tuned is not None) + _CANDIDATES[op]:
+def _pick(op: str, k: int, n: int) -> Blocks | None:
+    """Tiles for ``op`` of ``[M, k] x [G, k, n]``, or None when no candidate divides the shape."""
+    for blocks in _CANDIDATES[op]:
         if op == "dw":
             fits = k % blocks.block_m == 0 and n % blocks.block_n == 0
             cols = n
         else:
+            out_cols, contraction = (n, k) if op == "fwd" else (k, n)
             fits = contraction % blocks.block_k == 0 and out_cols % blocks.block_n == 0
             cols = out_cols
         if fits:
@@ -85,8 +86,9 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     g, _, n = w_shape
     if jnp.dtype(x_dtype) != jnp.dtype(w_dtype) or jnp.dtype(x_dtype) not in MOSAIC_DTYPES or min(m, k, n, g) < 1:
         return None
-    plan = Plan(*(_pick(op, m, k, n, g) for op in ("fwd", "dx", "dw")))
-    return None if plan == Plan(None, None, None) else plan
+    rows = "upstream" if _mosaic.upstream_signature_ok() else "tiles"
+    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows)
+    return None if plan[:3] == (None, None, None) else plan
 
 
 @functools.cache
@@ -109,9 +111,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
       x: ``[M, K]`` floating.
       w: ``[G, K, N]`` floating.
       group_sizes: ``[G]`` int32, ``sum(group_sizes) <= M``.
-      impl: ``"auto"``: the Mosaic kernels where they run (below), else ``jax.lax.ragged_dot``;
-        ``"mosaic"``: the Mosaic kernels, or a ``ValueError`` saying why not; ``"xla"``:
-        ``jax.lax.ragged_dot`` and its autodiff.
+      impl: ``"auto"``: the Mosaic kernels where they run (below), else ``jax.lax.ragged_dot``
+        (the environment variable ``JAX_EP_GROUPED_MATMUL=xla`` or ``=mosaic``, read at trace time,
+        overrides it, e.g. for ``jax_ep.nn.MoE``); ``"mosaic"``: the Mosaic kernels, or a
+        ``ValueError`` saying why not; ``"xla"``: ``jax.lax.ragged_dot`` and its autodiff.
 
     Returns:
       ``[M, N]`` in ``ragged_dot``'s dtype. Rows past ``sum(group_sizes)`` are unspecified (the Mosaic
@@ -133,6 +136,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     check_array("group_sizes", group_sizes, shape=(w.shape[0],), dtype=jnp.int32)
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"jax_ep: x [M, K] and w [G, K, N] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if impl == "auto":
+        impl = os.environ.get("JAX_EP_GROUPED_MATMUL", "auto")
+        check_choice("the environment variable JAX_EP_GROUPED_MATMUL", impl, IMPLS)
     if impl == "xla":
         return lax.ragged_dot(x, w, group_sizes)
     plan = plan_for(x.shape, w.shape, x.dtype, w.dtype)
@@ -175,20 +181,41 @@ def _xla_dw(x, dy, group_sizes):
     return lax.ragged_dot_general(x, dy, group_sizes, dims)
 
 
+def _varying_axes(value) -> frozenset:
+    """The mesh axes ``value`` varies over inside ``jax.shard_map`` (empty outside)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def _op(name: str, blocks: Blocks | None, xla, mosaic, *args):
     if blocks is None:
         return xla(*args)
+
+    def kernel(*args):
+        # A Pallas call's output is not marked varying over shard_map's axes; XLA's op's is.
+        out = mosaic(*args)
+        missing = frozenset().union(*map(_varying_axes, args)) - _varying_axes(out)
+        return lax.pcast(out, tuple(sorted(missing, key=str)), to="varying") if missing else out
+
     with jax.named_scope(f"grouped_matmul_{name}"):
-        return lax.platform_dependent(*args, cuda=mosaic, default=xla)
+        return lax.platform_dependent(*args, cuda=kernel, default=xla)
+
+
+def _rows_kernel(plan: Plan):
+    return _mosaic.upstream_ragged_dot if plan.rows == "upstream" else _mosaic.ragged_dot
 
 
 def _fwd(x, w, group_sizes, plan: Plan):
-    return _op("fwd", plan.fwd, _xla_fwd, lambda a, b, c: _mosaic.ragged_dot(a, b, c, plan.fwd), x, w, group_sizes)
+    def mosaic(a, b, c):
+        return _rows_kernel(plan)(a, b, c, plan.fwd)
+
+    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes)
 
 
 def _dx(dy, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
-        return _mosaic.ragged_dot(a, b, c, plan.dx, transpose_rhs=True)
+        return _rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True)
 
     dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes)
     return jnp.where(_rows_below(dy.shape[0], group_sizes), dx, 0)

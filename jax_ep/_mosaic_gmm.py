@@ -11,12 +11,14 @@ Adapted from JAX's ``jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py`` and
   0/1 mask: ``NaN * 0`` is NaN, so the upstream kernel lets NaN or Inf in the unspecified rows past
   ``sum(group_sizes)`` (or in a neighbouring group) into ``dw``.
 
-Both need ``jax.experimental.pallas.mosaic_gpu``; importing this module does not touch a GPU.
+:func:`upstream_ragged_dot` calls JAX's forward kernel unchanged. All need
+``jax.experimental.pallas.mosaic_gpu``; importing this module does not touch a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -128,7 +130,7 @@ def ragged_dot(
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 # TMA stores have static sizes: store `rows` as a sum of powers of two (upstream's ladder).
-                smem_start = jnp.int32(0)
+                smem_start = 0  # a Python int: a concrete jax scalar here fails to lower (jax 0.11.2)
                 remaining = min(bm, m)
                 while remaining > 0:
                     chunk = 1 << int(math.log2(remaining))
@@ -154,17 +156,44 @@ def ragged_dot(
     return kernel(tile_group, tile_row, tile_rows, lhs, rhs)
 
 
+def upstream_signature_ok() -> bool:
+    """Whether ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`` takes the arguments used here."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except ImportError:
+        return False
+    params = inspect.signature(ragged_dot_mgpu.ragged_dot).parameters
+    return all(name in params for name in (*Blocks._fields, "group_sizes", "transpose_rhs"))
+
+
+def upstream_ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks, *, transpose_rhs: bool = False
+) -> jax.Array:
+    """JAX's own ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``, a loop over the groups
+    unrolled into the kernel), same contract as :func:`ragged_dot`."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    m, k = lhs.shape
+    n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+    if k != k2 or k % blocks.block_k or n % blocks.block_n or lhs.dtype != rhs.dtype:
+        raise ValueError(f"ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
+    return ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **blocks._asdict()
+    )
+
+
 def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks) -> jax.Array:
     """``out[g] = lhs[rows of g].T @ rhs[rows of g]``: ``lhs [R, M]``, ``rhs [R, N]`` -> ``[G, M, N]``.
 
     Rows outside a group never reach its output, whatever they hold (NaN included); empty groups give 0.
-    ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of ``block_k``.
+    ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of ``block_k``, a multiple of 64
+    (the masks are wgmma-layout registers, 64 rows per warpgroup).
     """
     bm, bn, bk, steps, gbn = blocks
     r, m = lhs.shape
     r2, n = rhs.shape
     g = group_sizes.shape[0]
-    if r != r2 or m % bm or n % bn or lhs.dtype != rhs.dtype:
+    if r != r2 or m % bm or n % bn or bk % 64 or lhs.dtype != rhs.dtype:
         raise ValueError(
             f"transposed_ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}"
         )

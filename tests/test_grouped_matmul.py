@@ -51,14 +51,15 @@ def reference(x, w, sizes, dy):
     return [np.asarray(v) for v in (y, dx, dw)]
 
 
+def vjp_step(fn, x, w, sizes, dy):
+    """y, dx, dw of ``fn(x, w, sizes)`` with cotangent ``dy``."""
+    y, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), x, w)
+    return (y, *pullback(dy))
+
+
 def run(fn, x, w, sizes, dy):
     """y, dx, dw of ``fn(x, w, sizes)`` as float32 NumPy arrays, jitted."""
-
-    def step(x, w, dy):
-        y, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), x, w)
-        return (y, *pullback(dy))
-
-    return [np.asarray(v, np.float32) for v in jax.jit(step)(x, w, dy)]
+    return [np.asarray(v, np.float32) for v in jax.jit(functools.partial(vjp_step, fn))(x, w, sizes, dy)]
 
 
 def check(got, want, sizes, *, tol):
@@ -118,6 +119,28 @@ def test_nan_in_a_group_stays_in_that_group():
     assert np.all(np.isfinite(got[2][others]))
 
 
+def test_custom_vjp_inside_shard_map():
+    """Under jax.shard_map the kernel branch's output is cast to varying like XLA's, so both branches trace."""
+    from conftest import cpu_mesh
+    from jax.sharding import PartitionSpec as P
+
+    x, w, sizes, dy = make("ragged")
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    ranks = 2
+    mesh = cpu_mesh((ranks,), ("ep",))
+
+    def body(x, w, sizes, dy):
+        fn = functools.partial(gm.custom_grouped_matmul, plan=plan)
+        return tuple(v[None] for v in vjp_step(fn, x[0], w[0], sizes[0], dy[0]))
+
+    def per_rank(a):
+        return jnp.stack([a] * ranks)
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    got = [np.asarray(v[1], np.float32) for v in step(*map(per_rank, (x, w, sizes, dy)))]
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
 @pytest.mark.parametrize("block_m", [8, 64, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tile_table_covers_each_valid_row_once(case, block_m):
@@ -150,6 +173,23 @@ def test_plan_for_shapes_and_dtypes():
     assert partial is None or (partial.fwd is None and partial.dw is None)
 
 
+def test_environment_variable_picks_the_implementation(monkeypatch):
+    x, w, sizes, _ = make("ragged")
+
+    def ops(impl_env):
+        monkeypatch.setenv("JAX_EP_GROUPED_MATMUL", impl_env)
+        return str(jax.make_jaxpr(lambda a, b: jax_ep.grouped_matmul(a, b, sizes))(x, w))
+
+    assert "custom_vjp" not in ops("xla") and "ragged_dot" in ops("xla")
+    if ON_HOPPER:
+        assert "custom_vjp" in ops("mosaic")
+    else:
+        with pytest.raises(ValueError, match="Hopper"):
+            ops("mosaic")
+    with pytest.raises(ValueError, match="JAX_EP_GROUPED_MATMUL"):
+        ops("cutlass")
+
+
 def test_bad_arguments():
     x, w, sizes, _ = make("ragged")
     with pytest.raises(ValueError, match="impl"):
@@ -180,14 +220,15 @@ def test_mosaic_matches_ragged_dot(case, dtype):
 
 
 @hopper
+@pytest.mark.parametrize("rows", ["upstream", "tiles"])
 @pytest.mark.parametrize(
     "blocks",
-    [Blocks(64, 64, 64, 2, 1), Blocks(64, 128, 64, 4, 2), Blocks(128, 128, 64, 4, 1), Blocks(128, 64, 32, 3, 1)],
+    [Blocks(64, 64, 64, 2, 1), Blocks(64, 128, 64, 4, 2), Blocks(128, 128, 64, 4, 1), Blocks(128, 64, 64, 3, 1)],
 )
-def test_mosaic_tiles(blocks):
-    """Other tiles than the defaults, on the case with many small groups and a NaN tail."""
+def test_mosaic_tiles(blocks, rows):
+    """Both forward kernels and other tiles than the defaults, on many small groups and a NaN tail."""
     x, w, sizes, dy = make("many_small")
-    plan = gm.Plan(blocks, blocks, blocks)
+    plan = gm.Plan(blocks, blocks, blocks, rows)
     got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
     check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
 
@@ -197,13 +238,10 @@ def test_mosaic_kernels_are_what_runs():
     """The compiled forward and backward hold Mosaic GPU custom calls and no ragged_dot."""
     x, w, sizes, dy = make("ragged")
 
-    def step(x, w, dy):
-        y, pullback = jax.vjp(lambda a, b: jax_ep.grouped_matmul(a, b, sizes), x, w)
-        return (y, *pullback(dy))
-
-    hlo = jax.jit(step).lower(x, w, dy).compile().as_text()
+    step = functools.partial(vjp_step, jax_ep.grouped_matmul)
+    hlo = jax.jit(step).lower(x, w, sizes, dy).compile().as_text()
     assert hlo.count("mosaic_gpu") >= 3, "expected the three Mosaic kernels"
-    assert "ragged-dot" not in hlo and "ragged_dot" not in hlo.replace("grouped_matmul", "")
+    assert " ragged-dot(" not in hlo, "XLA's ragged dot must not run"
 
 
 @hopper

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On a machine with one Hopper GPU: the grouped matmul's GPU tests, tile sweep and benchmark, then the MoE layer
+# profile; results under $OUT, a short table last. One device call, about 5 minutes after the machine starts.
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_grouped_matmul.sh
+# The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
+# run from the source tree (they need no extension). If the build fails the profile runs with backend "xla" and
+# says so in its JSON. Files in $OUT: grouped_matmul_tests.json, grouped_matmul_sweep.json, grouped_matmul.json,
+# moe_layer.json, build.log (on failure) and the logs of each step.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jax_ep_out}
+repo=$(pwd)
+mkdir -p "$OUT"
+export JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
+
+(JAX_EP_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target /tmp/jax_ep_site "$repo" \
+  > "$OUT/build.log" 2>&1; echo $? > "$OUT/build.rc") &
+build=$!
+
+cd /tmp || exit 1  # not the repository root: its jax_ep/ has no built extension
+step() {  # NAME SECONDS COMMAND...
+  local name=$1 seconds=$2 rc
+  shift 2
+  echo "[${SECONDS} s] $name (at most ${seconds} s)"
+  timeout -s INT -k 10 "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "[${SECONDS} s] $name: exit $rc"
+}
+export PYTHONPATH=$repo
+step grouped_matmul_tests 150 env JAX_EP_COMMAND="python bench/gpu_tests.py OUT/grouped_matmul_tests.json \
+tests/test_grouped_matmul.py" python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" \
+  "$repo/tests/test_grouped_matmul.py"
+step grouped_matmul_sweep 120 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul_sweep.json \
+--sweep --budget-s 80 --iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul_sweep.json" \
+  --sweep --budget-s 80 --iters 10
+step grouped_matmul 200 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul.json" \
+  python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul.json"
+
+wait $build
+backend=xla
+if [ "$(cat "$OUT/build.rc")" = 0 ]; then
+  export PYTHONPATH=/tmp/jax_ep_site
+  LD_LIBRARY_PATH="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')/lib:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH
+  backend=cuda
+  rm "$OUT/build.log"
+else
+  echo "the CUDA extension did not build (build.log): the MoE profile runs with backend xla"
+fi
+step moe_layer 200 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer.json --backend $backend" \
+  python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer.json" --backend "$backend"
+
+echo
+grep -E "passed|failed" "$OUT/grouped_matmul_tests.log" | tail -2
+grep -E "^(FAILED|ERROR)" "$OUT/grouped_matmul_tests.log" | head -10
+sed -n '/best tiles/,$p' "$OUT/grouped_matmul_sweep.log"
+sed -n '/^wrote/,$p' "$OUT/grouped_matmul.log"
+sed -n '/^wrote/,$p' "$OUT/moe_layer.log"
+tail -5 "$OUT/moe_layer.log"
