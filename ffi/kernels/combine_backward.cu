@@ -26,8 +26,9 @@ struct BackwardParams {
   bool do_send, do_receive;
 };
 
-// Steps (32 lanes x 16 bytes) of g a warp holds in registers at once.
-constexpr int kStepsHeld = 4;
+// A warp keeps 2 steps (32 lanes x 16 bytes) of g, and of 8 rows of y in flight at once (blocks of kSumThreads).
+constexpr int kStepsHeld = 2;
+constexpr int kRowsAtOnce = 8;
 
 template <typename Y>
 __device__ inline float Dot16(const uint4& a, const uint4& b) {
@@ -101,27 +102,34 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
         const int64_t e = e0 + (m * 32 + lane) * kWide;
         if (e < end) gv[m] = __ldcg(reinterpret_cast<const uint4*>(g + e));
       }
-      for (int j = 0; j < count; ++j) {
-        const int64_t row = rows[j];
-        uint4 yv[kStepsHeld];
-        if (dots != nullptr) {
+      for (int j0 = 0; j0 < count; j0 += kRowsAtOnce) {
+        uint4 yv[kRowsAtOnce][kStepsHeld];
+        if (dots != nullptr) {  // every load of these rows in flight before any arithmetic
+#pragma unroll
+          for (int r = 0; r < kRowsAtOnce; ++r) {
+#pragma unroll
+            for (int m = 0; m < kStepsHeld; ++m) {
+              const int64_t e = e0 + (m * 32 + lane) * kWide;
+              if (j0 + r < count && e < end) yv[r][m] = *reinterpret_cast<const uint4*>(y + rows[j0 + r] * H + e);
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kRowsAtOnce; ++r) {
+          if (j0 + r >= count) break;
+          const int64_t row = rows[j0 + r];
+          float part = 0.0f;
 #pragma unroll
           for (int m = 0; m < kStepsHeld; ++m) {
             const int64_t e = e0 + (m * 32 + lane) * kWide;
-            if (e < end) yv[m] = *reinterpret_cast<const uint4*>(y + row * H + e);
+            if (e >= end) continue;
+            *reinterpret_cast<uint4*>(dy + row * H + e) = Scale16<Y>(gv[m], w[j0 + r]);
+            if (dots != nullptr) part += Dot16<Y>(gv[m], yv[r][m]);
           }
-        }
-        float part = 0.0f;
-#pragma unroll
-        for (int m = 0; m < kStepsHeld; ++m) {
-          const int64_t e = e0 + (m * 32 + lane) * kWide;
-          if (e >= end) continue;
-          *reinterpret_cast<uint4*>(dy + row * H + e) = Scale16<Y>(gv[m], w[j]);
-          if (dots != nullptr) part += Dot16<Y>(gv[m], yv[m]);
-        }
-        if (dots != nullptr) {
-          part = WarpSum(part);
-          if (lane == 0) dots[j] += part;
+          if (dots != nullptr) {
+            part = WarpSum(part);
+            if (lane == 0) dots[j0 + r] += part;
+          }
         }
       }
     }
@@ -146,14 +154,14 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
 }
 
 template <typename Y>
-__global__ void __launch_bounds__(kThreads) CombineBackwardKernel(BackwardParams p, GroupView g) {
-  __shared__ int32_t held_rows[kWarps][kMaxTopk];
-  __shared__ float held_weights[kWarps][kMaxTopk];
-  __shared__ float dots[kWarps][kMaxTopk];
+__global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(BackwardParams p, GroupView g) {
+  __shared__ int32_t held_rows[kSumWarps][kMaxTopk];
+  __shared__ float held_weights[kSumWarps][kMaxTopk];
+  __shared__ float dots[kSumWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombineBackward);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kSumWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kSumWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   const bool may_run = CallMayRun(g, call, p.axis_index);
@@ -185,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) CombineBackwardKernel(BackwardParams
   const int64_t items = R * T * pieces;
   const bool with_dots = p.dweights != nullptr;
   float* my_dots = with_dots ? dots[warp] : nullptr;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kWarps; base < items; base += warps) {
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += warps) {
     const int64_t item = base + warp;
     int count = 0, piece = 0;
     if (item < items) {
@@ -242,10 +250,11 @@ __global__ void __launch_bounds__(kThreads) CombineBackwardKernel(BackwardParams
   FinishCall(g, call);
 }
 
-// The largest power of two at most `pieces`: it divides kWarps, so a token's pieces share a block.
+// The smallest power of two at least `pieces`, at most kSumWarps: it divides kSumWarps, so a token's
+// pieces share a block (pieces past the row's steps are empty).
 int PiecesInBlock(int pieces) {
   int result = 1;
-  while (result * 2 <= pieces && result * 2 <= kWarps) result *= 2;
+  while (result < pieces && result < kSumWarps) result *= 2;
   return result;
 }
 
@@ -254,8 +263,8 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
   const int64_t units = p.num_tokens * R;
-  p.send_pieces = PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks);
-  p.recv_pieces = PiecesInBlock(PiecesPerRow(units, SumSteps(p.hidden, p.width), g.max_blocks));
+  p.send_pieces = PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks, kSumWarps);
+  p.recv_pieces = PiecesInBlock(PiecesPerRow(units, SumSteps(p.hidden, p.width), g.max_blocks, kSumWarps));
   const int64_t send_items = units * p.send_pieces;
   const int64_t recv_items = std::max(units * p.recv_pieces, (p.num_rows + 31) / 32);
   const Status checked = CheckItems(std::max(send_items, recv_items));
@@ -263,7 +272,7 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
+    CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineBackwardKernel");
   });
 }

@@ -13,6 +13,11 @@
 
 namespace jax_ep {
 
+// The kernels that sum rows (combine and its backward pass) run blocks of half the threads, so that each thread
+// may hold 128 registers: enough for the loads of a token's rows to be in flight at once.
+constexpr int kSumThreads = 512;
+constexpr int kSumWarps = kSumThreads / 32;
+
 // Rows are split into pieces when there are too few rows to keep every warp of the block budget busy
 // (small T): one warp then moves one piece, a run of whole steps (a step: 32 lanes x 16 bytes).
 constexpr int kMaxPieces = 64;
@@ -23,9 +28,10 @@ __host__ __device__ inline int64_t CopySteps(int64_t row_bytes) {
   return row_bytes % 16 == 0 ? (row_bytes + kCopyStep - 1) / kCopyStep : 1;
 }
 
-// Pieces per row for `units` rows of `steps` steps each: 1 when the rows alone fill the budget.
-inline int PiecesPerRow(int64_t units, int64_t steps, int max_blocks) {
-  const int64_t warps = static_cast<int64_t>(max_blocks) * kWarps;
+// Pieces per row for `units` rows of `steps` steps each: 1 when the rows alone fill the budget (of blocks of
+// `block_warps` warps).
+inline int PiecesPerRow(int64_t units, int64_t steps, int max_blocks, int block_warps = kWarps) {
+  const int64_t warps = static_cast<int64_t>(max_blocks) * block_warps;
   int64_t pieces = units < 1 ? 1 : (warps + units - 1) / units;
   if (pieces > steps) pieces = steps;
   if (pieces > kMaxPieces) pieces = kMaxPieces;
@@ -33,8 +39,8 @@ inline int PiecesPerRow(int64_t units, int64_t steps, int max_blocks) {
 }
 
 // Grid size for `items` warp items, at most the group's block budget.
-inline unsigned BlocksFor(int64_t items, int max_blocks) {
-  const int64_t blocks = (items + kWarps - 1) / kWarps;
+inline unsigned BlocksFor(int64_t items, int max_blocks, int block_warps = kWarps) {
+  const int64_t blocks = (items + block_warps - 1) / block_warps;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks));
 }
 
