@@ -70,7 +70,7 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
     for (int j = 0; j < count; ++j) acc[0] += w[j] * ToFloat(y[rows[j] * hidden + e]);
     return;
   }
-  constexpr int kLoadsInFlight = 8;
+  constexpr int kLoadsInFlight = 4;
   for (int j0 = 0; j0 < count; j0 += kLoadsInFlight) {
     uint4 raw[kLoadsInFlight];
 #pragma unroll
@@ -88,14 +88,14 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
 }
 
 template <typename Y, typename P>
-__global__ void __launch_bounds__(kSumThreads, 1) CombineKernel(CombineParams p, GroupView g) {
+__global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
   constexpr int kWide = Wide<Y>();
-  __shared__ int32_t held_rows[kSumWarps][kMaxTopk];
-  __shared__ float held_weights[kSumWarps][kMaxTopk];
+  __shared__ int32_t held_rows[kWarps][kMaxTopk];
+  __shared__ float held_weights[kWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombine);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kSumWarps + warp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kSumWarps;
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, H = p.hidden, K = p.topk;
   const Y* y = static_cast<const Y*>(p.y);
@@ -194,15 +194,15 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
   const int64_t steps = SumSteps(p.hidden, p.width);
-  p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks, kSumWarps);
-  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks, kSumWarps);
+  p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks);
+  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
   const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    CombineKernel<Y, P><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
+    CombineKernel<Y, P><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineKernel");
   });
 }

@@ -26,7 +26,10 @@ struct BackwardParams {
   bool do_send, do_receive;
 };
 
-// A warp keeps 2 steps (32 lanes x 16 bytes) of g, and of 8 rows of y in flight at once (blocks of kSumThreads).
+// Blocks of half the threads of the other kernels, so that each thread may hold 128 registers: a warp keeps 2 steps
+// (32 lanes x 16 bytes) of g, and of 8 rows of y, in flight at once.
+constexpr int kSumThreads = 512;
+constexpr int kSumWarps = kSumThreads / 32;
 constexpr int kStepsHeld = 2;
 constexpr int kRowsAtOnce = 8;
 

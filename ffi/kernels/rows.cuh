@@ -13,11 +13,6 @@
 
 namespace jax_ep {
 
-// The kernels that sum rows (combine and its backward pass) run blocks of half the threads, so that each thread
-// may hold 128 registers: enough for the loads of a token's rows to be in flight at once.
-constexpr int kSumThreads = 512;
-constexpr int kSumWarps = kSumThreads / 32;
-
 // Rows are split into pieces when there are too few rows to keep every warp of the block budget busy
 // (small T): one warp then moves one piece, a run of whole steps (a step: 32 lanes x 16 bytes).
 constexpr int kMaxPieces = 64;
