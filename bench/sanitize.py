@@ -1,0 +1,138 @@
+"""compute-sanitizer over the cuda backend's kernels, on one GPU (an EP group of one GPU).
+
+    python bench/sanitize.py OUT.json [--tools memcheck,racecheck,synccheck,initcheck] [--timeout 120]
+    python bench/sanitize.py probe    # what each tool runs: every op and gradient on a few shapes
+
+The probe runs jitted dispatch -> combine and its gradients (which call all four kernels: routing, dispatch,
+combine, combine's backward) for both layouts, float32 and bfloat16, H aligned (256) and not (1001), with
+alignment padding, drops (a small capacity), invalid ids and -1 slots, then checks each result against backend
+"xla" so that a sanitizer run which changed the results fails too. Each tool checks only kernels whose name holds
+``jax_ep`` (``--kernel-name kns=jax_ep``): XLA's own kernels are not ours to fix, and checking them takes most
+of the time. OUT.json records, per tool: the command, its exit status, the sanitizer's error summary and the
+tail of its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+CASES = [  # layout, dtype, hidden, capacity, alignment
+    ("ragged", "float32", 256, None, 4),
+    ("ragged", "bfloat16", 1001, 40, 1),
+    ("expert", "bfloat16", 256, 12, 1),
+    ("expert", "float32", 1001, None, 1),
+]
+
+
+def probe() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+
+    tokens, topk, experts = 64, 4, 16
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
+    jax_ep.initialize(mesh, "ep", num_tokens=tokens, hidden=1001, topk=topk, num_experts=experts, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, experts, (tokens, topk)).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    idx[rng.random(idx.shape) < 0.05] = experts + 3
+    weights = jnp.asarray(rng.random((tokens, topk)).astype(np.float32) + 0.1)
+    for layout, dtype, hidden, capacity, alignment in CASES:
+        x = jnp.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32) + 0.5, dtype)
+
+        def step(x, w, backend, layout=layout, capacity=capacity, alignment=alignment):
+            def body(x, idx, w):
+                kw = dict(layout=layout, capacity=capacity, expert_alignment=alignment, backend=backend)
+                d = jax_ep.dispatch(x, idx, w, num_experts=experts, axis_name="ep", **kw)
+                return jax_ep.combine(jnp.tanh(d.x) * 1.5, d.handle, weights=d.weights)
+
+            out = jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))(x, jnp.asarray(idx), w)
+            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.value_and_grad(step, argnums=(0, 1)), static_argnums=2)(x, weights, "cuda")
+            want = jax.jit(jax.value_and_grad(step, argnums=(0, 1)), static_argnums=2)(x, weights, "xla")
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            tol = 1e-4 if dtype == "float32" else 3e-2
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())))
+        print(f"probe {layout} {dtype} H={hidden} capacity={capacity}: cuda matches xla", flush=True)
+    jax_ep.finalize()
+    print("probe done", flush=True)
+
+
+def run_tool(tool: str, timeout: float) -> dict:
+    command = [
+        "compute-sanitizer",
+        "--tool",
+        tool,
+        "--kernel-name",
+        "kns=jax_ep",
+        "--error-exitcode",
+        "17",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "probe",
+    ]
+    start = time.time()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        output, status = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+        status = None
+    summary = re.findall(r"ERROR SUMMARY: (\d+) error", output)
+    lines = [line for line in output.splitlines() if "@ 0x" not in line]
+    return {
+        "command": " ".join(command[:7] + ["python", "bench/sanitize.py", "probe"]),
+        "exit_status": status,
+        "timed_out": status is None,
+        "seconds": round(time.time() - start, 1),
+        "errors": int(summary[-1]) if summary else None,
+        "probe_finished": "probe done" in output,
+        "output_tail": "\n".join(lines[-25:]),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "probe":
+        probe()
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    results = {
+        "command": "python bench/sanitize.py OUT.json --tools " + args.tools,
+        "commit": os.environ.get("JAX_EP_COMMIT", "unknown"),
+        "cases": [dict(zip(("layout", "dtype", "hidden", "capacity", "alignment"), c, strict=True)) for c in CASES],
+        "tools": {},
+    }
+    query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    try:  # not through jax: this process must leave the GPU's memory to the probes
+        results["devices"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        results["devices"] = [f"unknown ({err})"]
+    for tool in args.tools.split(","):
+        results["tools"][tool] = run_tool(tool, args.timeout)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    for tool, r in results["tools"].items():
+        clean = r["errors"] == 0 and r["exit_status"] == 0 and r["probe_finished"]
+        verdict = "clean" if clean else "NOT clean"
+        print(f"{tool:10s} errors {r['errors']}  exit {r['exit_status']}  {r['seconds']:6.1f} s  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
