@@ -92,7 +92,8 @@ def run_tool(tool: str, timeout: float) -> dict:
     except subprocess.TimeoutExpired as err:
         output = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
         status = None
-    summary = re.findall(r"ERROR SUMMARY: (\d+) error", output)
+    # "ERROR SUMMARY: 0 errors" (memcheck, synccheck, initcheck); "SUMMARY: 0 hazards displayed (0 errors," (racecheck)
+    summary = re.findall(r"SUMMARY:.*?(\d+) errors?", output)
     lines = [line for line in output.splitlines() if "@ 0x" not in line]
     return {
         "command": " ".join(command[:7] + ["python", "bench/sanitize.py", "probe"]),

@@ -1,0 +1,50 @@
+"""The kernels of one gradient of dispatch -> combine (backend "cuda", an EP group of one GPU), for Nsight Compute.
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base -k regex:Kernel \\
+        --launch-skip 8 --launch-count 4 python bench/profile_backward.py --tokens 4096
+
+Runs ``jax.grad`` of ``sum(combine(d.x * 1.5, weights=d.weights) ** 2)`` w.r.t. ``x`` and ``topk_weights``
+three times (H=7168, K=8, E=256, bf16, uniform routing from ``jax_ep.bench.timing.make_inputs``). Each call
+launches four jax_ep kernels (the forward RoutingKernel, DispatchKernel, CombineKernel, then
+CombineBackwardKernel for combine's backward pass and CombineKernel again for dispatch's), so the ncu flags
+above keep the third call's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    args = parser.parse_args()
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
+    jax_ep.initialize(mesh, "ep", num_tokens=args.tokens, hidden=args.hidden, topk=TOPK, num_experts=EXPERTS)
+    x, idx, w, _ = make_inputs(1, args.tokens, args.hidden)
+
+    def loss(x, w):
+        def body(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend="cuda")
+            return jax_ep.combine(d.x * 1.5, d.handle, weights=d.weights)
+
+        out = jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(mesh):
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        for _ in range(3):
+            jax.block_until_ready(grad(x, w))
+    print("profile_backward: 3 gradient calls done")
+
+
+if __name__ == "__main__":
+    main()
