@@ -5,12 +5,14 @@ Run as a script::
     python tests/fuzz.py [--cases N] [--seed S] [--ranks 1,2,4,8] [--buckets B] [--out results.json] [--backend xla]
     python tests/fuzz.py --replay SEED             # rerun one case, print its config and every mismatch
     python tests/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
+    python tests/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
 ``R`` (``T, H, H', K, E, layout, capacity, alignment, dtypes, partial_dtype``, drawn from the campaign
 seed), so each bucket compiles once; each case draws its own data and routing. Per case it checks, on the
-8-device simulated CPU mesh:
+8-device simulated CPU mesh (``--platform gpu``: on the first R GPUs, where backend "cuda" gets one
+``jax_ep.initialize`` sized for every bucket):
 
 * dispatch: ``group_sizes``, ``num_dropped``, ``num_invalid`` and ``weights`` bit for bit, and ``x`` bit for
   bit on the specified rows (the ragged layout's rows past ``sum(group_sizes)`` are unspecified);
@@ -51,7 +53,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import reference  # noqa: E402
-from helpers import AXIS, INVALID_IDS, assert_bits_equal, assert_sum_close, ep_jit, specified, to_numpy  # noqa: E402
+from helpers import (  # noqa: E402
+    AXIS,
+    INVALID_IDS,
+    assert_bits_equal,
+    assert_sum_close,
+    ep_jit,
+    gpu_mesh,
+    specified,
+    to_numpy,
+)
 
 import jax_ep  # noqa: E402
 
@@ -69,6 +80,9 @@ ROUTINGS = {  # kind: probability
     "random": 0.07,  # ids in [-1, E) with repeats
     "unused": 0.06,  # every slot -1
 }
+PLATFORMS = ("cpu", "gpu")
+# The largest bucket sizes draw_bucket can give (T, H and H', K, E): what a cuda group must hold.
+MAX_BUCKET = dict(num_tokens=64, hidden=300, topk=16, num_experts=512)
 ROWS_BUDGET = 2**21  # R * N * max(H, H') elements of a layout-shaped array, to keep cases cheap on 2 cores
 SEED_BASE = (10**10, 10**8, 10**6)  # seed = campaign * 1e10 + R * 1e8 + bucket * 1e6 + index
 SEED_FORMAT = (
@@ -377,7 +391,7 @@ INPUTS = ("x", "topk_idx", "topk_weights", "y", "row_weights", "ct_x", "ct_w", "
 
 
 @functools.cache
-def program(bucket: Bucket):
+def program(bucket: Bucket, platform: str = "cpu"):
     """The jitted per-rank program of a bucket: dispatch, two combines and the three VJPs, over ``R`` devices."""
     b = bucket
     partial = None if b.partial_dtype is None else jnp.dtype(b.partial_dtype)
@@ -418,12 +432,12 @@ def program(bucket: Bucket):
             dy_1=dy_1,
         )
 
-    return ep_jit(body, b.num_ranks)
+    return ep_jit(body, b.num_ranks, platform)
 
 
-def run_case(case: Case) -> dict[str, np.ndarray]:
+def run_case(case: Case, platform: str = "cpu") -> dict[str, np.ndarray]:
     """The outputs of the bucket's program on the case's inputs, as NumPy arrays stacked over ranks."""
-    return to_numpy(program(case.bucket)(*(case.inputs[name] for name in INPUTS)))
+    return to_numpy(program(case.bucket, platform)(*(case.inputs[name] for name in INPUTS)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -593,15 +607,15 @@ def schedule(campaign: int, cases: int, ranks: list[int], buckets: int) -> list[
     return seeds
 
 
-def run_one(case: Case) -> tuple[list[str], dict[str, float]]:
+def run_one(case: Case, platform: str = "cpu") -> tuple[list[str], dict[str, float]]:
     """Run and check one case: its mismatches and the seconds spent in jax_ep, the reference checks and reruns."""
     start = time.perf_counter()
-    got = run_case(case)
+    got = run_case(case, platform)
     ran = time.perf_counter()
     problems = check_case(case, got)
     checked = time.perf_counter()
     if case.rerun:
-        problems += determinism_mismatch(case, got, run_case(case))
+        problems += determinism_mismatch(case, got, run_case(case, platform))
     return problems, dict(jax_s=ran - start, check_s=checked - ran, rerun_s=time.perf_counter() - checked)
 
 
@@ -661,10 +675,19 @@ def campaign(
     backend: str = "xla",
     log=print,
     progress_s: float = 30.0,
+    platform: str = "cpu",
+    budget_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run a campaign; the report (a JSON-able dict) counts cases and lists every mismatch."""
+    """Run a campaign; the report (a JSON-able dict) counts cases and lists every mismatch.
+
+    With ``budget_s``, cases stop being started once that many seconds have passed (``cases`` in the report
+    is then the number run, ``cases_planned`` the number asked for)."""
     version = source_version()  # jax_ep was imported just before: the code under test
     seeds = schedule(seed, cases, ranks, buckets)
+    if platform == "gpu" and backend != "xla":
+        if len(ranks) != 1:
+            raise ValueError("--platform gpu with backend cuda runs one R per campaign (one jax_ep group)")
+        jax_ep.initialize(gpu_mesh(ranks[0]), AXIS, **MAX_BUCKET, dtype=jnp.float32)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     mismatches = []
     bucket_seeds: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
@@ -672,7 +695,12 @@ def campaign(
     first_call_s = 0.0
     times = collections.Counter()
     start = last = time.perf_counter()
+    run = 0
     for n, case_seed in enumerate(seeds, 1):
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            log(f"[fuzz] time budget of {budget_s} s spent after {n - 1} of {len(seeds)} cases")
+            break
+        run = n
         _, num_ranks, bucket_index, _ = decode_seed(case_seed)
         case_start = time.perf_counter()
         case = make_case(case_seed, backend)
@@ -680,7 +708,7 @@ def campaign(
         key = (num_ranks, bucket_index)
         fresh = key not in bucket_configs
         bucket_configs[key] = case.bucket
-        problems, spent = run_one(case)
+        problems, spent = run_one(case, platform)
         times.update(spent, make_s=made - case_start)
         if fresh:
             first_call_s += spent["jax_s"]
@@ -702,20 +730,25 @@ def campaign(
     report = dict(
         tool="tests/fuzz.py",
         backend=backend,
-        platform=f"{jax.devices()[0].platform}, {len(jax.devices('cpu'))} simulated CPU devices",
+        platform=(
+            f"cpu, {len(jax.devices('cpu'))} simulated CPU devices"
+            if platform == "cpu"
+            else f"gpu: {', '.join(sorted({d.device_kind for d in jax.devices('gpu')}))}"
+        ),
         jax_version=jax.__version__,
         **version,
         campaign_seed=seed,
         ranks=ranks,
         buckets_per_rank=buckets,
-        cases=len(seeds),
+        cases=run,
+        cases_planned=len(seeds),
         mismatching_cases=len(mismatches),
         counts={k: dict(sorted(v.items())) for k, v in sorted(counts.items())},
         time=dict(
             wall_s=round(wall, 2),
-            cases_per_s=round(len(seeds) / wall, 2),
+            cases_per_s=round(run / wall, 2),
             first_call_per_bucket_s=round(first_call_s, 2),
-            cases_per_s_after_compile=round((len(seeds) - len(bucket_configs)) / max(steady, 1e-9), 2),
+            cases_per_s_after_compile=round((run - len(bucket_configs)) / max(steady, 1e-9), 2),
             **{k: round(v, 2) for k, v in sorted(times.items())},
         ),
         mismatches=mismatches,
@@ -774,11 +807,13 @@ def dumps(report: dict[str, Any]) -> str:
     return text[: -len("\n}")] + ',\n "buckets": [\n' + buckets + "\n ]\n}\n"
 
 
-def replay(case_seed: int, backend: str) -> int:
+def replay(case_seed: int, backend: str, platform: str = "cpu") -> int:
     """Run one case, print its configuration and every mismatch; 1 if it mismatched."""
     case = make_case(case_seed, backend)
     print(f"[fuzz] replay {case.describe()}")
-    problems, spent = run_one(case)
+    if platform == "gpu" and backend != "xla":
+        jax_ep.initialize(gpu_mesh(case.bucket.num_ranks), AXIS, **MAX_BUCKET, dtype=jnp.float32)
+    problems, spent = run_one(case, platform)
     seconds = ", ".join(f"{k} {v:.3f}" for k, v in spent.items())
     print(f"[fuzz] dropped={case.ref.num_dropped.tolist()} invalid={case.ref.num_invalid.tolist()} ({seconds})")
     for p in problems:
@@ -795,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", type=int, default=6, help="shape buckets (compiled programs) per R")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--backend", default="xla", choices=["xla", "cuda", "auto"])
+    parser.add_argument("--platform", default="cpu", choices=PLATFORMS, help="where the ranks run")
+    parser.add_argument("--budget-s", type=float, help="start no case after this many seconds")
     parser.add_argument("--replay", type=int, metavar="SEED", help="rerun the one case of this case seed")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these reports into --out")
     parser.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines")
@@ -809,12 +846,21 @@ def main(argv: list[str] | None = None) -> int:
         report = merge(reports)
         report["merge_command"] = command
     elif args.replay is not None:
-        return replay(args.replay, args.backend)
+        return replay(args.replay, args.backend, args.platform)
     else:
         ranks = [int(r) for r in args.ranks.split(",")]
         if any(r < 1 or r > 8 for r in ranks):
             parser.error("--ranks: each R must be in 1..8 (8 simulated devices)")
-        report = campaign(args.seed, args.cases, ranks, args.buckets, args.backend, progress_s=args.progress)
+        report = campaign(
+            args.seed,
+            args.cases,
+            ranks,
+            args.buckets,
+            args.backend,
+            progress_s=args.progress,
+            platform=args.platform,
+            budget_s=args.budget_s,
+        )
         report["command"] = command
     t = report["time"]
     print(

@@ -20,14 +20,14 @@ AXIS = "ep"
 INVALID_IDS = (-7, -2, 2**31 - 1, -(2**31))  # never -1 nor a valid id
 
 
-def ep_jit(fn: Callable[..., Any], num_ranks: int) -> Callable[..., Any]:
-    """``fn`` run on each rank of an "ep" axis of ``num_ranks`` CPU devices, jitted once.
+def ep_jit(fn: Callable[..., Any], num_ranks: int, platform: str = "cpu") -> Callable[..., Any]:
+    """``fn`` run on each rank of an "ep" axis of ``num_ranks`` CPU devices (or the first GPUs), jitted once.
 
     Every argument leaf (arguments may be pytrees, such as a Dispatched) and every output leaf has a
     leading rank axis (per-rank scalars come back as ``[R]``). The returned callable can be traced
     again (``jax.grad``, ``check_grads``).
     """
-    mesh = cpu_mesh((num_ranks,), (AXIS,))
+    mesh = cpu_mesh((num_ranks,), (AXIS,)) if platform == "cpu" else gpu_mesh(num_ranks)
 
     def body(*args):
         out = fn(*jax.tree.map(lambda a: a[0], args))
@@ -36,6 +36,13 @@ def ep_jit(fn: Callable[..., Any], num_ranks: int) -> Callable[..., Any]:
     # The mesh is given to shard_map rather than set with jax.set_mesh, which cannot be entered under a
     # trace (check_grads traces the callable); test_shard_map.py covers the jax.set_mesh form.
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+def gpu_mesh(num_ranks: int) -> jax.sharding.Mesh:
+    """A mesh of the first ``num_ranks`` GPUs along the "ep" axis."""
+    devices = jax.devices("gpu")[:num_ranks]
+    assert len(devices) == num_ranks, f"needs {num_ranks} GPUs, have {len(jax.devices('gpu'))}"
+    return jax.make_mesh((num_ranks,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
 
 
 def to_numpy(tree: Any) -> Any:

@@ -248,6 +248,39 @@ def scan_shared(mesh, process_id):
     print(f"{scan.STEPS} steps: rank {process_id} matches the reference", flush=True)
 
 
+def dies_shared(mesh, process_id):
+    """Process 1 dies once both have compiled; process 0's call gives up naming rank 1 (NaN outputs), and its
+    next call and Group.check say why."""
+    client = distributed.global_state.client
+    x, idx, w = inputs(mesh, 64, 256, 4, 16, jnp.float32, seed=7, messy=False)
+
+    def body(x, idx, w):
+        import jax_ep
+
+        return jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda").weights[None]
+
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
+    client.wait_at_barrier("dies/compiled", 60_000)
+    if process_id == 1:
+        print("process 1: dying without a word", flush=True)
+        os._exit(3)
+    out = local(step(x, idx, w))
+    assert np.all(np.isnan(out)), f"process 0 read data of a call its dead peer never made: {out[:4]}"
+    print("process 0: outputs are NaN", flush=True)
+    for attempt in ("check", "next call"):
+        try:
+            if attempt == "check":
+                GROUP[0].check()
+            else:
+                jax.block_until_ready(step(x, idx, w))
+        except Exception as error:  # noqa: BLE001
+            assert "gave up waiting for rank 1" in str(error), error
+            print(f"{attempt} failed as expected: {str(error)[:300]}", flush=True)
+        else:
+            raise AssertionError(f"the {attempt} after the peer died did not fail")
+
+
 GROUP = [None]
 
 
@@ -258,7 +291,7 @@ def main():
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
-    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared") else 30.0
+    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared", "dies_shared") else 30.0
     sizes = dict(num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     GROUP[0] = jax_ep.initialize(mesh, "ep", **sizes)
     if mode.startswith("compare"):
@@ -270,6 +303,10 @@ def main():
         wrong_rank_shared(mesh, process_id)
     elif mode == "scan_shared":
         scan_shared(mesh, process_id)
+    elif mode == "dies_shared":  # its peer is gone: no collective finalize, no leaving together
+        dies_shared(mesh, process_id)
+        print("OK", flush=True)
+        os._exit(0)
     else:
         peer_hangs(mesh, process_id)
     if mode != "peer_hangs":

@@ -86,3 +86,13 @@ def test_a_peer_that_never_arrives_gives_a_clear_error_not_a_hang(tmp_path):
     (code, out), _ = _run_pair("peer_hangs", timeout=180, tmp_path=tmp_path)
     assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
     assert "second call failed as expected" in out
+
+
+@require_cuda()
+def test_a_process_that_dies_gives_its_peer_a_clear_error(tmp_path):
+    """Two processes share GPU 0; process 1 exits once both have compiled. Process 0's call gives up after the
+    group's timeout with NaN outputs, and its next call and Group.check name rank 1: no hang, no stale data."""
+    (code, out), (code_1, out_1) = _run_pair("dies_shared", timeout=180, tmp_path=tmp_path)
+    assert code_1 == 3 and "dying" in out_1, out_1[-2000:]
+    assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+    assert "outputs are NaN" in out and "next call failed as expected" in out and "check failed as expected" in out
