@@ -36,7 +36,9 @@ else:
 
 IMPLS = ("auto", "mosaic", "xla")
 # "auto" takes the Mosaic path only once it has passed its GPU tests: on one H200 (jax 0.11.2) 14 of them failed
-# to lower (row counts not a multiple of 8, layout inference), so "auto" is jax.lax.ragged_dot for now.
+# to lower (row counts not a multiple of 8, layout inference), so "auto" is jax.lax.ragged_dot for now. Both
+# have a fix since (x padded to a multiple of 8 rows; the "tiles" kernel's tiles start at multiples of 8), not
+# yet run on a GPU.
 MOSAIC_BY_DEFAULT = False
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -45,7 +47,8 @@ class Plan(NamedTuple):
     """The tiles of each of the three kernels (None runs that op with XLA) and the forward/dx kernel.
 
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
-    ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row).
+    ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row, rounded down to a
+    multiple of 8).
     """
 
     fwd: Blocks | None
@@ -127,7 +130,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
 
     The Mosaic path is taken when every GPU jax sees is a Hopper (compute capability 9.x), ``x`` and
     ``w`` are both bfloat16 or both float16, and the tiles of at least one of the three kernels divide
-    the shape (``K`` and ``N`` multiples of 64). It is a ``jax.custom_vjp``: the forward pass, ``dx =
+    the shape (``K`` and ``N`` multiples of 64); any ``M`` is taken (when it is not a multiple of 8, ``x``
+    is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
     ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
     or XLA's ``ragged_dot`` otherwise. The kernels accumulate in float32 and round once to the output
     dtype. Inside the computation the choice between kernel and XLA is made per platform
@@ -233,9 +237,28 @@ def _dw(x, dy, group_sizes, plan: Plan):
     return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+# The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).
+ROW_MULTIPLE = 8 if _mosaic is None else _mosaic.ROW_MULTIPLE
+
+
 def custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, plan: Plan) -> jax.Array:
-    """The Mosaic path of :func:`grouped_matmul` with explicit tiles (no checks: use ``grouped_matmul``)."""
+    """The Mosaic path of :func:`grouped_matmul` with explicit tiles (no checks: use ``grouped_matmul``).
+
+    When ``M`` is not a multiple of 8 (the kernels' row tile), ``x`` gets zero rows up to one before the
+    custom VJP and the output is sliced back. The padding rows lie past ``sum(group_sizes)``, outside every
+    group, so they reach nothing; autodiff of the slice pads the output's cotangent with zero rows the
+    same way, and the padding rows of ``dx`` are sliced off.
+    """
+    m = x.shape[0]
+    pad = -m % ROW_MULTIPLE
+    if not pad:
+        return _custom_grouped_matmul(x, w, group_sizes, plan)
+    y = _custom_grouped_matmul(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes, plan)
+    return y[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, plan: Plan) -> jax.Array:
     return _fwd(x, w, group_sizes, plan)
 
 
@@ -251,4 +274,4 @@ def _custom_bwd(plan, residuals, dy):
     return dx, dw, None
 
 
-custom_grouped_matmul.defvjp(_custom_fwd, _custom_bwd)
+_custom_grouped_matmul.defvjp(_custom_fwd, _custom_bwd)

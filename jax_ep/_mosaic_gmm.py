@@ -3,16 +3,20 @@
 Adapted from JAX's ``jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py`` and
 ``transposed_ragged_dot_mgpu.py`` (Copyright 2025 The JAX Authors, Apache License 2.0), with these changes:
 
-* :func:`ragged_dot` tiles each group from its own first row (a table of tiles computed by XLA outside the
-  kernel) instead of from multiples of ``block_m``, so a group of ``s`` rows costs ``ceil(s / block_m)``
-  tiles, tiles of no group are skipped, and the kernel has no loop over the groups unrolled into it.
+* :func:`ragged_dot` tiles each group from its own first row rounded down to a multiple of 8 (a table of
+  tiles computed by XLA outside the kernel) instead of from multiples of ``block_m``, so a group of ``s``
+  rows costs at most ``ceil((s + 7) / block_m)`` tiles, tiles of no group are skipped, and the kernel has no
+  loop over the groups unrolled into it. (The TMA load of a tile's rows into the wgmma operand's shared
+  memory, tiled 8 rows at a time, needs a first row that is a multiple of 8.)
 * :func:`transposed_ragged_dot` zeroes the rows of other groups (and past ``sum(group_sizes)``) in the
   first and last row block of each group by a select on both operands, not by multiplying one of them by a
   0/1 mask: ``NaN * 0`` is NaN, so the upstream kernel lets NaN or Inf in the unspecified rows past
   ``sum(group_sizes)`` (or in a neighbouring group) into ``dw``.
 
 :func:`upstream_ragged_dot` calls JAX's forward kernel unchanged. All need
-``jax.experimental.pallas.mosaic_gpu``; importing this module does not touch a GPU.
+``jax.experimental.pallas.mosaic_gpu``; importing this module does not touch a GPU. All need a number of
+rows that is a multiple of :data:`ROW_MULTIPLE` (TMA copies between global memory and shared memory tiled 8
+rows at a time do not lower otherwise); :func:`jax_ep.grouped_matmul` pads the rows with zeros to one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Rows of every operand with rows (and of the outputs) must be a multiple of this: shared memory is tiled 8
+# rows at a time, and a TMA copy does not lower for a global array whose rows are not a multiple of its tile
+# (jax 0.11.2: "dimension 0 must have size smaller or a multiple of its tiling 8").
+ROW_MULTIPLE = 8
+
+
+def _check_rows(name: str, rows: int) -> None:
+    if rows % ROW_MULTIPLE:
+        raise ValueError(f"{name}: the number of rows ({rows}) must be a multiple of {ROW_MULTIPLE}; pad with zeros")
 
 
 class Blocks(NamedTuple):
@@ -46,27 +60,42 @@ def _num_sms() -> int:
         return 132  # an H100/H200 SXM
 
 
-def tile_table(group_sizes: jax.Array, block_m: int, num_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each of ``num_tiles`` row tiles: its group, first row and number of rows (0: no work).
+def num_row_tiles(m: int, num_groups: int, block_m: int, align: int = ROW_MULTIPLE) -> int:
+    """An upper bound on the tiles :func:`tile_table` gives ``num_groups`` groups of ``m`` rows in all."""
+    # Group g takes ceil((lead_g + s_g) / block_m) <= (s_g + align - 1 + block_m - 1) / block_m tiles.
+    return pl.cdiv(m + (align - 1) * num_groups, block_m) + num_groups
 
-    Group ``g`` (rows ``[start_g, start_g + s_g)``) gets ``ceil(s_g / block_m)`` tiles, in group order; tile
-    ``j`` of the group covers rows ``start_g + j * block_m`` onwards, at most ``block_m`` of them.
-    ``num_tiles`` must be at least ``cdiv(M, block_m) + G`` (which bounds the total when
-    ``sum(group_sizes) <= M``).
+
+def tile_table(
+    group_sizes: jax.Array, block_m: int, num_tiles: int, align: int = ROW_MULTIPLE
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For each of ``num_tiles`` row tiles: its group, first row, first row of the group in it, and rows.
+
+    Group ``g`` (rows ``[start_g, start_g + s_g)``) is covered from ``first_g``, ``start_g`` rounded down
+    to a multiple of ``align``: tile ``j`` of the group starts at row ``first_g + j * block_m`` (a multiple
+    of ``align`` when ``block_m`` is) and its rows of the group are ``[row + skip, row + skip + rows)``
+    (``skip`` is ``start_g - first_g`` for the group's first tile and 0 for the others; ``rows`` is 0 for a
+    tile of no group). A group of ``s_g > 0`` rows takes ``ceil((start_g - first_g + s_g) / block_m)``
+    tiles, in group order; ``num_tiles`` must be at least :func:`num_row_tiles` (which bounds the total
+    when ``sum(group_sizes) <= M``).
     """
     sizes = group_sizes.astype(jnp.int32)
     g = sizes.shape[0]
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    tiles = (sizes + block_m - 1) // block_m
+    firsts = starts // align * align
+    tiles = jnp.where(sizes > 0, (starts - firsts + sizes + block_m - 1) // block_m, 0)
     tile_ends = jnp.cumsum(tiles)
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)
     valid = group < g
     gc = jnp.minimum(group, g - 1)
-    row = starts[gc] + (t - (tile_ends[gc] - tiles[gc])) * block_m
-    rows = jnp.where(valid, jnp.minimum(block_m, ends[gc] - row), 0)
-    return gc, jnp.where(valid, row, 0), rows.astype(jnp.int32)
+    row = firsts[gc] + (t - (tile_ends[gc] - tiles[gc])) * block_m
+    lo = jnp.maximum(starts[gc], row)
+    hi = jnp.minimum(ends[gc], row + block_m)
+    skip = jnp.where(valid, lo - row, 0)
+    rows = jnp.where(valid, hi - lo, 0)
+    return gc, jnp.where(valid, row, 0), skip.astype(jnp.int32), rows.astype(jnp.int32)
 
 
 def ragged_dot(
@@ -80,24 +109,27 @@ def ragged_dot(
     """``out[r] = lhs[r] @ rhs[g(r)]`` for the rows ``r`` of each group; rows past the groups are not written.
 
     ``lhs [M, K]``, ``rhs [G, K, N]`` (or ``[G, N, K]`` with ``transpose_rhs``), same 16-bit dtype;
-    ``K % block_k == 0``, ``N % block_n == 0``.
+    ``M % ROW_MULTIPLE == 0``, ``K % block_k == 0``, ``N % block_n == 0``, ``block_m % ROW_MULTIPLE == 0``.
     """
     bm, bn, bk, steps, gbn = blocks
     m, k = lhs.shape
     g = rhs.shape[0]
     n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
-    if k != k2 or k % bk or n % bn or lhs.dtype != rhs.dtype:
+    if k != k2 or k % bk or n % bn or bm % ROW_MULTIPLE or lhs.dtype != rhs.dtype:
         raise ValueError(f"ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
-    grid_m = pl.cdiv(m, bm) + g
+    _check_rows("ragged_dot", m)
+    grid_m = num_row_tiles(m, g, bm)
     grid_n = n // bn
-    tile_group, tile_row, tile_rows = tile_table(group_sizes, bm, grid_m)
+    tile_group, tile_row, tile_skip, tile_rows = tile_table(group_sizes, bm, grid_m)
 
-    def body(group_gmem, row_gmem, rows_gmem, lhs_gmem, rhs_gmem, o_gmem):
+    def body(group_gmem, row_gmem, skip_gmem, rows_gmem, lhs_gmem, rhs_gmem, o_gmem):
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
         def mn_loop(loop_info):
             mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, gbn)
             group = group_gmem[mi]
-            row = row_gmem[mi]
+            # The tile table starts every tile at a multiple of ROW_MULTIPLE; layout inference must be told.
+            row = pl.multiple_of(row_gmem[mi], ROW_MULTIPLE)
+            skip = skip_gmem[mi]
             rows = rows_gmem[mi]
 
             def acc_scope(acc_ref):
@@ -129,8 +161,9 @@ def ragged_dot(
             def store_scope(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                # TMA stores have static sizes: store `rows` as a sum of powers of two (upstream's ladder).
-                smem_start = 0  # a Python int: a concrete jax scalar here fails to lower (jax 0.11.2)
+                # TMA stores have static sizes: store `rows` rows from `skip` as a sum of powers of two
+                # (upstream's ladder, which starts from a row loaded at run time the same way).
+                smem_start = skip
                 remaining = min(bm, m)
                 while remaining > 0:
                     chunk = 1 << int(math.log2(remaining))
@@ -153,7 +186,7 @@ def ragged_dot(
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(tile_group, tile_row, tile_rows, lhs, rhs)
+    return kernel(tile_group, tile_row, tile_skip, tile_rows, lhs, rhs)
 
 
 def upstream_signature_ok() -> bool:
@@ -177,6 +210,7 @@ def upstream_ragged_dot(
     n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
     if k != k2 or k % blocks.block_k or n % blocks.block_n or lhs.dtype != rhs.dtype:
         raise ValueError(f"ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
+    _check_rows("upstream_ragged_dot", m)
     return ragged_dot_mgpu.ragged_dot(
         lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **blocks._asdict()
     )
@@ -186,7 +220,8 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     """``out[g] = lhs[rows of g].T @ rhs[rows of g]``: ``lhs [R, M]``, ``rhs [R, N]`` -> ``[G, M, N]``.
 
     Rows outside a group never reach its output, whatever they hold (NaN included); empty groups give 0.
-    ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of ``block_k``, a multiple of 64
+    ``R % ROW_MULTIPLE == 0``, ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of
+    ``block_k``, a multiple of 64
     (the masks are wgmma-layout registers, 64 rows per warpgroup).
     """
     bm, bn, bk, steps, gbn = blocks
@@ -197,6 +232,7 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         raise ValueError(
             f"transposed_ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}"
         )
+    _check_rows("transposed_ragged_dot", r)
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes

@@ -14,7 +14,7 @@ import pytest
 
 import jax_ep
 from jax_ep import _grouped_matmul as gm
-from jax_ep._mosaic_gmm import Blocks, tile_table
+from jax_ep._mosaic_gmm import Blocks, num_row_tiles, tile_table
 
 # (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
 CASES = {
@@ -23,6 +23,7 @@ CASES = {
     "one_group": (130, 192, 64, [129], True),
     "all_empty": (96, 64, 64, [0, 0, 0], True),
     "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
+    "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
 }
 ON_HOPPER = gm.hopper_available()
 
@@ -141,22 +142,91 @@ def test_custom_vjp_inside_shard_map():
     check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
 
 
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("block_m", [8, 64, 128])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tile_table_covers_each_valid_row_once(case, block_m):
+def test_tile_table_covers_each_valid_row_once(case, block_m, align):
     m, _, _, sizes, _ = CASES[case]
     sizes = np.asarray(sizes, np.int32)
-    num_tiles = -(-m // block_m) + len(sizes)
-    group, row, rows = (np.asarray(a) for a in tile_table(jnp.asarray(sizes), block_m, num_tiles))
+    num_tiles = num_row_tiles(m, len(sizes), block_m, align)
+    table = tile_table(jnp.asarray(sizes), block_m, num_tiles, align)
+    group, row, skip, rows = (np.asarray(a) for a in table)
     starts = np.cumsum(sizes) - sizes
     covered = np.zeros(m, np.int32)
-    for g, r, n in zip(group, row, rows, strict=True):
-        assert 0 <= n <= block_m
+    for g, r, k, n in zip(group, row, skip, rows, strict=True):
+        assert 0 <= n and 0 <= k and k + n <= block_m
         if n:
-            assert starts[g] <= r and r + n <= starts[g] + sizes[g], "a tile leaves its group"
-            covered[r : r + n] += 1
+            assert r % align == 0, "a tile starts off the alignment"
+            assert starts[g] <= r + k and r + k + n <= starts[g] + sizes[g], "a tile leaves its group"
+            assert k == 0 or r + k == starts[g], "only a group's first tile skips rows"
+            covered[r + k : r + k + n] += 1
     assert np.all(covered[: sizes.sum()] == 1) and np.all(covered[sizes.sum() :] == 0)
-    assert np.sum(rows > 0) == np.sum(-(-sizes // block_m)), "each group takes ceil(size / block_m) tiles"
+    lead = starts % align
+    assert np.sum(rows > 0) == np.sum(np.where(sizes > 0, -(-(lead + sizes) // block_m), 0))
+    assert rows[-1] == 0 or num_tiles == np.sum(rows > 0), "num_row_tiles must bound the tiles"
+
+
+def test_tile_table_bound_is_tight_enough():
+    """Many 1-row groups each 7 rows into an 8-row tile: every group takes a tile of its own."""
+    sizes = np.asarray([7] + [1] * 40, np.int32)
+    m, block_m = int(sizes.sum()), 64
+    num_tiles = num_row_tiles(m, len(sizes), block_m)
+    rows = np.asarray(tile_table(jnp.asarray(sizes), block_m, num_tiles)[3])
+    assert np.sum(rows > 0) == len(sizes) <= num_tiles
+
+
+def fake_kernels(monkeypatch, seen):
+    """Run the custom VJP's kernel branch on any platform, with XLA standing in for the kernels.
+
+    The stand-ins check that every operand with rows has a multiple of 8 of them (as the kernels need),
+    and leave NaN in the forward/dx rows past ``sum(group_sizes)`` (which the kernels do not write).
+    """
+    mosaic = gm._mosaic
+
+    def rows_ok(name, *arrays):
+        for a in arrays:
+            assert a.shape[0] % mosaic.ROW_MULTIPLE == 0, f"{name} got {a.shape[0]} rows"
+        seen.append(name)
+
+    def ragged(lhs, rhs, group_sizes, blocks, *, transpose_rhs=False):
+        rows_ok("ragged_dot", lhs)
+        out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
+        return jnp.where(gm._rows_below(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
+
+    def transposed(lhs, rhs, group_sizes, blocks):
+        rows_ok("transposed_ragged_dot", lhs, rhs)
+        return gm._xla_dw(lhs, rhs, group_sizes).astype(lhs.dtype)
+
+    monkeypatch.setattr(mosaic, "ragged_dot", ragged)
+    monkeypatch.setattr(mosaic, "upstream_ragged_dot", ragged)
+    monkeypatch.setattr(mosaic, "transposed_ragged_dot", transposed)
+    monkeypatch.setattr(gm.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+
+
+@pytest.mark.parametrize("rows", ["upstream", "tiles"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_branch_pads_rows(monkeypatch, case, rows):
+    """Any M: the kernels see rows padded to a multiple of 8, and the results are ragged_dot's."""
+    seen = []
+    fake_kernels(monkeypatch, seen)
+    x, w, sizes, dy = make(case)
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)._replace(rows=rows)
+    got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+    assert sorted(set(seen)) == ["ragged_dot", "transposed_ragged_dot"]
+    jaxpr = str(jax.make_jaxpr(lambda a, b: gm.custom_grouped_matmul(a, b, sizes, plan))(x, w))
+    assert ("pad[" in jaxpr) == (x.shape[0] % 8 != 0), "pad exactly when M is not a multiple of 8"
+
+
+def test_kernels_refuse_rows_not_a_multiple_of_8():
+    x, w, sizes, _ = make("ragged")  # M = 300
+    blocks = Blocks(64, 64, 64, 2, 1)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gm._mosaic.ragged_dot(x, w, sizes, blocks)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gm._mosaic.upstream_ragged_dot(x, w, sizes, blocks)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gm._mosaic.transposed_ragged_dot(x, x[:, :128], sizes, blocks)
 
 
 def test_plan_for_shapes_and_dtypes():
@@ -234,11 +304,21 @@ def test_mosaic_tiles(blocks, rows):
 
 
 @hopper
+@pytest.mark.parametrize("case", ["ragged", "one_group", "tiny", "full"])
+def test_mosaic_tiles_kernel_any_m(case):
+    """The per-group-tile forward kernel (Plan.rows="tiles") on groups starting off multiples of 8."""
+    x, w, sizes, dy = make(case)
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)._replace(rows="tiles")
+    got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
+@hopper
 def test_mosaic_kernels_are_what_runs():
     """The compiled forward and backward hold Mosaic GPU custom calls and no ragged_dot."""
     x, w, sizes, dy = make("ragged")
 
-    step = functools.partial(vjp_step, jax_ep.grouped_matmul)
+    step = functools.partial(vjp_step, functools.partial(jax_ep.grouped_matmul, impl="mosaic"))
     hlo = jax.jit(step).lower(x, w, sizes, dy).compile().as_text()
     assert hlo.count("mosaic_gpu") >= 3, "expected the three Mosaic kernels"
     assert " ragged-dot(" not in hlo, "XLA's ragged dot must not run"
