@@ -35,11 +35,9 @@ else:
     _MOSAIC_IMPORT_ERROR = None
 
 IMPLS = ("auto", "mosaic", "xla")
-# "auto" takes the Mosaic path only once it has passed its GPU tests: on one H200 (jax 0.11.2) 14 of them failed
-# to lower (row counts not a multiple of 8, layout inference), so "auto" is jax.lax.ragged_dot for now. Both
-# have a fix since (x padded to a multiple of 8 rows; the "tiles" kernel's tiles start at multiples of 8), not
-# yet run on a GPU.
-MOSAIC_BY_DEFAULT = False
+# "auto" takes the Mosaic path on Hopper: its GPU tests passed on one H200 with jax 0.11.2 at 0041d79 (89 of 89,
+# bench/results/grouped_matmul_tests_h200x1.json). False makes "auto" jax.lax.ragged_dot everywhere.
+MOSAIC_BY_DEFAULT = True
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -117,10 +115,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
       x: ``[M, K]`` floating.
       w: ``[G, K, N]`` floating.
       group_sizes: ``[G]`` int32, ``sum(group_sizes) <= M``.
-      impl: ``"auto"``: ``jax.lax.ragged_dot`` for now (the Mosaic path has not yet passed its GPU
-        tests; the environment variable ``JAX_EP_GROUPED_MATMUL=xla`` or ``=mosaic``, read at trace
-        time, overrides it, e.g. for ``jax_ep.nn.MoE``); ``"mosaic"``: the Mosaic kernels (experimental),
-        or a ``ValueError`` saying why not; ``"xla"``: ``jax.lax.ragged_dot`` and its autodiff.
+      impl: ``"auto"``: the Mosaic kernels where they run (below), else ``jax.lax.ragged_dot`` (the
+        environment variable ``JAX_EP_GROUPED_MATMUL=xla`` or ``=mosaic``, read at trace time, overrides
+        it, e.g. for ``jax_ep.nn.MoE``); ``"mosaic"``: the Mosaic kernels, or a ``ValueError`` saying why
+        not; ``"xla"``: ``jax.lax.ragged_dot`` and its autodiff.
 
     Returns:
       ``[M, N]`` in ``ragged_dot``'s dtype. Rows past ``sum(group_sizes)`` are unspecified (the Mosaic
