@@ -1,20 +1,26 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
-from ._api import combine, default_capacity, dispatch
+from ._api import combine, combine_finish, combine_start, default_capacity, dispatch, dispatch_finish, dispatch_start
 from ._group import Group, buffer_size_hint, finalize, initialize, nccl_ranks
 from ._group import available as cuda_available
 from ._grouped_matmul import grouped_matmul
-from ._types import Dispatched, Handle
+from ._types import Dispatched, Handle, PendingCombine, PendingDispatch
 
 __all__ = [
     "Dispatched",
     "Group",
     "Handle",
+    "PendingCombine",
+    "PendingDispatch",
     "buffer_size_hint",
     "combine",
+    "combine_finish",
+    "combine_start",
     "cuda_available",
     "default_capacity",
     "dispatch",
+    "dispatch_finish",
+    "dispatch_start",
     "finalize",
     "grouped_matmul",
     "initialize",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Hashable
 from typing import Any
@@ -9,8 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import backends
-from ._types import LAYOUTS, Config, Dispatched, Handle
+from . import _fp8, backends
+from ._types import LAYOUTS, Config, Dispatched, Handle, PendingCombine, PendingDispatch
 from ._validate import check_array, check_choice, check_float_dtype, check_positive_int
 
 
@@ -48,6 +49,7 @@ def dispatch(
     layout: str = "ragged",
     capacity: int | None = None,
     expert_alignment: int = 1,
+    wire_dtype: Any = None,
     backend: str = "auto",
 ) -> Dispatched:
     """Send each token to the ranks of its top-k experts.
@@ -68,6 +70,10 @@ def dispatch(
         ``None`` is :func:`default_capacity`. Slots that do not fit are
         dropped and counted in ``num_dropped``.
       expert_alignment: ragged segments are padded to a multiple of this.
+      wire_dtype: None (rows travel in ``x``'s dtype) or ``jnp.float8_e4m3fn``:
+        rows travel as e4m3 with one float32 scale per 128 values (``H`` a
+        multiple of 128) and ``x`` comes back dequantized; the gradient passes
+        straight through.
       backend: ``"auto"``, ``"xla"`` or ``"cuda"``.
 
     Returns:
@@ -80,6 +86,7 @@ def dispatch(
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
+    wire = _fp8.check_wire_dtype(wire_dtype, hidden)
     if capacity is not None:
         capacity = check_positive_int("capacity", capacity)
     num_ranks = _axis_size(axis_name)
@@ -113,6 +120,7 @@ def dispatch(
         expert_alignment=expert_alignment,
         backend=resolved,
         group=group,
+        wire_dtype=None if wire is None else wire.name,
     )
     with jax.named_scope("jax_ep.dispatch"):
         return _dispatch(config, x, topk_idx, topk_weights)
@@ -154,7 +162,14 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, p
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    return backends.module(config.backend).dispatch(config, x, topk_idx, topk_weights)
+    backend = backends.module(config.backend)
+    if config.wire_dtype is None:
+        return backend.dispatch(config, x, topk_idx, topk_weights)
+    # Packed FP8 rows travel as bytes; the receiver dequantizes them (the backward pass is unchanged).
+    d = backend.dispatch(config, _fp8.pack(x), topk_idx, topk_weights)
+    hidden = x.shape[1]
+    rows = _fp8.unpack(d.x.reshape(config.num_rows, -1), hidden, x.dtype)
+    return dataclasses.replace(d, x=rows.reshape(config.layout_shape(hidden)))
 
 
 def _dispatch_fwd(config, x, topk_idx, topk_weights):
@@ -190,3 +205,44 @@ def _combine_bwd(partial_dtype, residuals, cotangent):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, **kwargs: Any) -> PendingDispatch:
+    """The first half of :func:`dispatch` (same arguments): its result goes to :func:`dispatch_finish`.
+
+    ``dispatch_finish(dispatch_start(...))`` equals ``dispatch(...)`` bit for bit, gradients included, and
+    XLA may schedule computation that does not depend on the dispatch between the two. In this version both
+    backends run the whole exchange in ``dispatch_start`` (the xla backend's collectives are scheduled by XLA
+    as always; the cuda kernels are not split yet), so nothing overlaps the exchange itself; see
+    docs/guide.md.
+    """
+    return PendingDispatch(dispatch(x, topk_idx, topk_weights, **kwargs))
+
+
+def dispatch_finish(pending: PendingDispatch) -> Dispatched:
+    """The :class:`Dispatched` of a :func:`dispatch_start`."""
+    if not isinstance(pending, PendingDispatch):
+        raise TypeError(
+            f"jax_ep.dispatch_finish: expected what jax_ep.dispatch_start returned, got {type(pending).__name__}"
+        )
+    return pending.dispatched
+
+
+def combine_start(
+    y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None
+) -> PendingCombine:
+    """The first half of :func:`combine` (same arguments): its result goes to :func:`combine_finish`.
+
+    ``combine_finish(combine_start(...))`` equals ``combine(...)`` bit for bit, gradients included; as for
+    :func:`dispatch_start`, this version runs the whole exchange in the start op.
+    """
+    return PendingCombine(combine(y, handle, weights=weights, partial_dtype=partial_dtype))
+
+
+def combine_finish(pending: PendingCombine) -> jax.Array:
+    """The ``[T, H]`` output of a :func:`combine_start`."""
+    if not isinstance(pending, PendingCombine):
+        raise TypeError(
+            f"jax_ep.combine_finish: expected what jax_ep.combine_start returned, got {type(pending).__name__}"
+        )
+    return pending.out

@@ -28,6 +28,7 @@ class Config:
     expert_alignment: int
     backend: str  # resolved: "xla" or "cuda"
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
+    wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep._fp8); None: in x's dtype
 
     @property
     def local_experts(self) -> int:
@@ -111,3 +112,19 @@ class Dispatched:
     num_dropped: jax.Array
     num_invalid: jax.Array
     handle: Handle
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingDispatch:
+    """What :func:`jax_ep.dispatch_start` returns: pass it to :func:`jax_ep.dispatch_finish`."""
+
+    dispatched: Dispatched
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingCombine:
+    """What :func:`jax_ep.combine_start` returns: pass it to :func:`jax_ep.combine_finish`."""
+
+    out: jax.Array

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ._api import combine, dispatch
+from ._api import combine_finish, combine_start, dispatch_finish, dispatch_start
+from ._fp8 import check_wire_dtype
 from ._grouped_matmul import grouped_matmul
 from ._types import LAYOUTS
 from ._validate import check_choice, check_positive_int
@@ -156,6 +157,8 @@ class MoE(nnx.Module):
         layout: str = "ragged",
         capacity: int | None = None,
         expert_alignment: int = 1,
+        wire_dtype: Any = None,
+        overlap: bool = False,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -180,6 +183,13 @@ class MoE(nnx.Module):
           capacity: passed to :func:`jax_ep.dispatch`, per rank; None never
             drops.
           expert_alignment: passed to :func:`jax_ep.dispatch`.
+          wire_dtype: passed to :func:`jax_ep.dispatch`: None, or
+            ``jnp.float8_e4m3fn`` to send tokens as FP8 (``hidden`` a multiple
+            of 128).
+          overlap: use the split ops (:func:`jax_ep.dispatch_start` /
+            ``dispatch_finish``, ``combine_start`` / ``combine_finish``) and
+            compute the shared expert between a start and its finish, so XLA
+            may run it while tokens travel. Same results as without.
           param_dtype: dtype of the expert weights.
           rngs: ``nnx.Rngs`` with a ``params`` stream.
         """
@@ -196,6 +206,9 @@ class MoE(nnx.Module):
             )
         if not 1 <= topk <= num_experts:
             raise ValueError(f"jax_ep.nn.MoE: topk must be in [1, num_experts={num_experts}], got {topk}")
+        check_wire_dtype(wire_dtype, hidden)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"jax_ep.nn.MoE: overlap must be a bool, got {overlap!r}")
         self.num_experts = num_experts
         self.topk = topk
         self.mesh = mesh
@@ -206,6 +219,8 @@ class MoE(nnx.Module):
         self.layout = layout
         self.capacity = capacity
         self.expert_alignment = expert_alignment
+        self.wire_dtype = wire_dtype
+        self.overlap = overlap
         self.router_kernel = nnx.Param(
             nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None), mesh=mesh)(
                 rngs.params(), (hidden, num_experts), jnp.float32
@@ -266,8 +281,14 @@ class MoE(nnx.Module):
                 top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
                 topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
                 probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+        def shared_expert():
+            with jax.named_scope("shared_expert"):
+                return _mlp(x, params["shared"], jnp.matmul, self.activation)
+
+        shared = None
         with jax.named_scope("dispatch"):
-            d = dispatch(
+            pending = dispatch_start(
                 x,
                 topk_idx,
                 topk_weights,
@@ -276,7 +297,11 @@ class MoE(nnx.Module):
                 layout=self.layout,
                 capacity=self.capacity,
                 expert_alignment=self.expert_alignment,
+                wire_dtype=self.wire_dtype,
             )
+            if self.overlap and "shared" in params:  # between the start and the finish
+                shared = shared_expert()
+            d = dispatch_finish(pending)
         with jax.named_scope("experts"):
             if self.layout == "ragged":
                 matmul = functools.partial(_ragged_matmul, group_sizes=d.group_sizes)
@@ -284,10 +309,9 @@ class MoE(nnx.Module):
                 matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
             y = _mlp(d.x, params["experts"], matmul, self.activation)
         with jax.named_scope("combine"):
-            out = combine(y, d.handle, weights=d.weights)
+            out = combine_finish(combine_start(y, d.handle, weights=d.weights))
         if "shared" in params:
-            with jax.named_scope("shared_expert"):
-                out = out + _mlp(x, params["shared"], jnp.matmul, self.activation)
+            out = out + (shared if shared is not None else shared_expert())
 
         with jax.named_scope("aux_loss"):
             slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)

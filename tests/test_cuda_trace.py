@@ -119,6 +119,25 @@ def test_combine_partial_dtype_float32_traces(monkeypatch, extension):
             jax.make_jaxpr(f16)(*ARGS)
 
 
+def test_fp8_dispatch_moves_packed_bytes_through_one_call(monkeypatch, extension):
+    """wire_dtype=float8_e4m3fn: one jax_ep_dispatch of uint8 rows of ceil16(H + H/32) bytes; d.x comes back
+    in x's dtype and shape."""
+    _stand_in_group(monkeypatch)
+    seen = {}
+
+    def body(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda", wire_dtype=jnp.float8_e4m3fn)
+        seen["x"] = d.x
+        return d.x
+
+    args = (jax.ShapeDtypeStruct((8, 256), jnp.bfloat16), *ARGS[1:])
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        text = str(jax.make_jaxpr(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))(*args))
+    assert _targets(text) == {"jax_ep_dispatch": 1}
+    assert re.search(r"u8\[4,272\].*jax_ep_dispatch|jax_ep_dispatch.*u8\[16,272\]", text.replace("\n", " "))
+    assert (seen["x"].shape, seen["x"].dtype) == ((16, 256), jnp.bfloat16)
+
+
 def _trace_cuda_dispatch(topk=2):
     def body(x, idx, w):
         return jax_ep.dispatch(x, idx, w, num_experts=4, axis_name="ep", backend="cuda").x

@@ -129,3 +129,50 @@ def test_bad_arguments():
 def test_jax_ep_does_not_import_flax():
     code = "import sys, jax_ep; assert 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def _loss_and_grads(model, x):
+    def loss(model, x):
+        res = model(x)
+        return jnp.sum(res.out.astype(jnp.float32) ** 2) + res.aux_loss
+
+    with jax.set_mesh(model.mesh):
+        return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x)
+
+
+def test_overlap_gives_the_same_bits():
+    """overlap=True computes the shared expert between the split ops' halves: the same output and gradients."""
+    x = jax.random.normal(jax.random.key(1), (16, HIDDEN), jnp.float32)
+    (value, grads), (value_o, grads_o) = (
+        _loss_and_grads(make_moe((4,), shared_intermediate=8, overlap=overlap), x) for overlap in (False, True)
+    )
+    assert float(value) == float(value_o)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_o), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_wire_dtype_trains_close_to_full_precision():
+    """wire_dtype=float8_e4m3fn: the output is within FP8 rounding of the layer without it (H a multiple of 128)."""
+
+    def build(**kw):
+        return MoE(128, 32, num_experts=EXPERTS, topk=TOPK, mesh=cpu_mesh((2,), ("ep",)), rngs=nnx.Rngs(0), **kw)
+
+    x = jax.random.normal(jax.random.key(2), (8, 128), jnp.float32)
+    (value, grads), (value_f, grads_f) = (
+        _loss_and_grads(build(**kw), x) for kw in ({}, {"wire_dtype": jnp.float8_e4m3fn})
+    )
+    assert np.isfinite(float(value_f)) and abs(float(value_f) - float(value)) <= 0.05 * abs(float(value))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_f), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, atol=0.1 * (np.abs(a).max() + 1e-6))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        MoE(
+            HIDDEN,
+            8,
+            num_experts=EXPERTS,
+            topk=TOPK,
+            mesh=cpu_mesh((2,), ("ep",)),
+            rngs=nnx.Rngs(0),
+            wire_dtype=jnp.float8_e4m3fn,
+        )

@@ -68,8 +68,12 @@ def _call(name: str, results: Any, *args: jax.Array, config: Config, **attrs: An
 
 
 def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`."""
-    _check_dtype("x", x)
+    """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`.
+
+    With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep._fp8``): bytes to move.
+    """
+    if config.wire_dtype is None:
+        _check_dtype("x", x)
     num_ranks, num_tokens, topk, rows = config.num_ranks, config.num_tokens, config.topk, config.num_rows
     i32 = jnp.int32
     results = (

@@ -1,0 +1,85 @@
+"""Rows on the wire as FP8 (``wire_dtype=jnp.float8_e4m3fn``): e4m3 values with one float32 scale per 128.
+
+A packed row is ``W = ceil16(H + 4 * H / 128)`` bytes: the ``H`` e4m3 values, then the ``H / 128`` float32
+scales (their bytes, little-endian), then zero bytes up to a multiple of 16. Every backend moves packed rows
+as plain bytes, so both quantize and dequantize with the functions below and agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 128  # values per scale
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+WIRE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+
+
+def check_wire_dtype(wire_dtype: Any, hidden: int) -> jnp.dtype | None:
+    """``wire_dtype`` as a dtype (None: rows travel in ``x``'s dtype); FP8 needs ``hidden % 128 == 0``."""
+    if wire_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(wire_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"jax_ep.dispatch: wire_dtype must be None or jnp.float8_e4m3fn, got {wire_dtype!r}")
+    if hidden % BLOCK:
+        raise ValueError(
+            f"jax_ep.dispatch: wire_dtype={dtype.name} sends one scale per {BLOCK} values, so the hidden size "
+            f"must be a multiple of {BLOCK}; got H={hidden}"
+        )
+    return dtype
+
+
+def packed_width(hidden: int) -> int:
+    """Bytes of one packed row of ``hidden`` values."""
+    return -(-(hidden + 4 * (hidden // BLOCK)) // 16) * 16
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., H]`` -> e4m3 values ``[..., H]`` and float32 scales ``[..., H / 128]``.
+
+    Per block of 128: ``scale = amax / 448`` (1 for an all-zero block), ``q = x / scale`` rounded to the
+    nearest e4m3 (ties to even).
+    """
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    zero = amax == 0
+    # A division of two arrays: XLA turns a division by a constant into a multiplication by its reciprocal,
+    # which is not the correctly rounded amax / 448 that the contract (and the NumPy oracle) computes.
+    scale = jnp.where(zero, jnp.float32(1), amax) / jnp.where(zero, jnp.float32(1), jnp.float32(E4M3_MAX))
+    # Nor may the divisor be a broadcast, which XLA also turns into a multiplication by a reciprocal: adding
+    # 0 * blocks keeps each division exact for finite values (a block with inf or NaN has amax inf or NaN).
+    q = (blocks / (scale[..., None] + blocks * 0)).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``(q.astype(float32) * scale).astype(dtype)``, each scale over its block of 128."""
+    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
+    return (blocks * scale[..., None]).reshape(q.shape).astype(dtype)
+
+
+def pack(x: jax.Array) -> jax.Array:
+    """``x [T, H]`` -> packed rows ``[T, W]`` uint8."""
+    q, scale = quantize(x)
+    rows, hidden = x.shape
+    parts = [
+        jax.lax.bitcast_convert_type(q, jnp.uint8),
+        jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(rows, 4 * (hidden // BLOCK)),
+    ]
+    pad = packed_width(hidden) - hidden - 4 * (hidden // BLOCK)
+    if pad:
+        parts.append(jnp.zeros((rows, pad), jnp.uint8))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unpack(rows: jax.Array, hidden: int, dtype: Any) -> jax.Array:
+    """Packed rows ``[N, W]`` -> ``[N, H]`` in ``dtype``; a row of zero bytes gives zeros."""
+    q = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
+    scale_bytes = rows[:, hidden : hidden + 4 * (hidden // BLOCK)].reshape(rows.shape[0], hidden // BLOCK, 4)
+    return dequantize(q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32), dtype)
