@@ -163,6 +163,21 @@ def peer_hangs(mesh, process_id):
     client.key_value_set("peer_hangs/done", "1")
 
 
+def later_calls_fail(call, want, after):
+    """After a failed call: Group.check() and the next call both raise an error that says ``want``."""
+    for attempt in ("check", "next call"):
+        try:
+            if attempt == "check":
+                GROUP[0].check()
+            else:
+                jax.block_until_ready(call())
+        except Exception as error:  # noqa: BLE001
+            assert want in str(error), error
+            print(f"{attempt} failed as expected: {str(error)[:300]}", flush=True)
+        else:
+            raise AssertionError(f"the {attempt} after {after} did not fail")
+
+
 def late_shared(mesh, process_id, timeout_s):
     """Process 1 comes late: both calls fail (NaN, named errors); after initialize again both are right."""
     import jax_ep
@@ -184,17 +199,7 @@ def late_shared(mesh, process_id, timeout_s):
     assert np.all(np.isnan(out)), f"process {process_id} read data of a call its peer gave up on: {out[:4]}"
     print(f"process {process_id}: outputs are NaN", flush=True)
     want = "gave up waiting for rank 1" if process_id == 0 else "gave up waiting for rank 1 (this GPU)"
-    for attempt in ("check", "next call"):
-        try:
-            if attempt == "check":
-                GROUP[0].check()
-            else:
-                jax.block_until_ready(step(x, idx, w))
-        except Exception as error:  # noqa: BLE001
-            assert want in str(error), error
-            print(f"{attempt} failed as expected: {str(error)[:300]}", flush=True)
-        else:
-            raise AssertionError(f"the {attempt} after the timeout did not fail")
+    later_calls_fail(lambda: step(x, idx, w), want, "the timeout")
     client.wait_at_barrier("late/failed", 60_000)
     GROUP[0] = jax_ep.initialize(mesh, "ep", num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     with jax.set_mesh(mesh):
@@ -268,17 +273,7 @@ def dies_shared(mesh, process_id):
     out = local(step(x, idx, w))
     assert np.all(np.isnan(out)), f"process 0 read data of a call its dead peer never made: {out[:4]}"
     print("process 0: outputs are NaN", flush=True)
-    for attempt in ("check", "next call"):
-        try:
-            if attempt == "check":
-                GROUP[0].check()
-            else:
-                jax.block_until_ready(step(x, idx, w))
-        except Exception as error:  # noqa: BLE001
-            assert "gave up waiting for rank 1" in str(error), error
-            print(f"{attempt} failed as expected: {str(error)[:300]}", flush=True)
-        else:
-            raise AssertionError(f"the {attempt} after the peer died did not fail")
+    later_calls_fail(lambda: step(x, idx, w), "gave up waiting for rank 1", "the peer died")
 
 
 GROUP = [None]

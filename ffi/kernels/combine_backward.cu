@@ -58,17 +58,6 @@ __device__ inline float WarpSum(float value) {
   return value;
 }
 
-// One element of g, which a peer may have stored during this kernel.
-template <typename Y>
-__device__ inline float LoadOne(const Y* p) {
-  if constexpr (sizeof(Y) == 4) {
-    return __int_as_float(__ldcg(reinterpret_cast<const int*>(p)));
-  } else {
-    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    return ToFloat(*reinterpret_cast<const Y*>(&bits));
-  }
-}
-
 // One warp: a token's rows that this rank holds (rows_by_k[k] >= 0) and their weights, into the warp's shared
 // arrays. Returns how many there are.
 __device__ inline int HeldRows(const int32_t* rows_by_k, int64_t topk, const float* weights, int32_t* rows, float* w,
@@ -140,7 +129,7 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
   }
   for (int64_t e0 = begin; e0 < end; e0 += 32) {
     const int64_t e = e0 + lane;
-    const float gvalue = e < end ? LoadOne(g + e) : 0.0f;
+    const float gvalue = e < end ? LoadStagedOne(g + e) : 0.0f;
     for (int j = 0; j < count; ++j) {
       const int64_t at = static_cast<int64_t>(rows[j]) * H + e;
       float part = 0.0f;

@@ -229,16 +229,22 @@ __device__ inline void StoreValues(P* dst, const float (&acc)[kWide], int width)
   }
 }
 
+// One value of type P at src, which a peer may have stored during this kernel, as float32.
+template <typename P>
+__device__ inline float LoadStagedOne(const P* src) {
+  if constexpr (sizeof(P) == 4) {
+    return __int_as_float(__ldcg(reinterpret_cast<const int*>(src)));
+  } else {
+    const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(src));
+    return ToFloat(*reinterpret_cast<const P*>(&bits));
+  }
+}
+
 // ... and back: `width` staged values of type P at src (stored by a peer during this kernel) as float32.
 template <typename P, int kWide>
 __device__ inline void LoadStaged(const P* src, float (&out)[kWide], int width) {
   if (width != kWide) {
-    if constexpr (sizeof(P) == 4) {
-      out[0] = __int_as_float(__ldcg(reinterpret_cast<const int*>(src)));
-    } else {
-      const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(src));
-      out[0] = ToFloat(*reinterpret_cast<const P*>(&bits));
-    }
+    out[0] = LoadStagedOne(src);
     return;
   }
   alignas(16) P packed[kWide];
