@@ -41,11 +41,6 @@ class MoEOutput(NamedTuple):
     num_dropped: jax.Array
 
 
-def _ragged_matmul(x: jax.Array, w: jax.Array, *, group_sizes: jax.Array) -> jax.Array:
-    """``jax_ep.grouped_matmul`` (Mosaic GPU kernels on Hopper, else ``jax.lax.ragged_dot``)."""
-    return grouped_matmul(x, w, group_sizes)
-
-
 def _mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
     """``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated) or ``act(x @ w_in) @ w_out``, in the dtype of ``x``."""
     w = {name: value.astype(x.dtype) for name, value in weights.items()}
@@ -304,7 +299,7 @@ class MoE(nnx.Module):
             d = dispatch_finish(pending)
         with jax.named_scope("experts"):
             if self.layout == "ragged":
-                matmul = functools.partial(_ragged_matmul, group_sizes=d.group_sizes)
+                matmul = functools.partial(grouped_matmul, group_sizes=d.group_sizes)
             else:
                 matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
             y = _mlp(d.x, params["experts"], matmul, self.activation)
