@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
@@ -107,6 +108,16 @@ def assert_bits_equal(actual: np.ndarray, expected: np.ndarray, err_msg: str = "
     # portable across NumPy versions (NumPy 2.5 reports equal NaN bits as a mismatch).
     as_uint = np.dtype(f"uint{8 * actual.dtype.itemsize}")
     np.testing.assert_array_equal(actual.view(as_uint), expected.view(as_uint), err_msg=err_msg)
+
+
+def quantize_dequantize(x: np.ndarray) -> np.ndarray:
+    """FP8 dispatch's formula in NumPy, independent of jax_ep._fp8: per 128 values, scale = amax / 448 (1 if all
+    zero), q = e4m3(x / scale), back as q * scale in x's dtype."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 128)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = np.where(amax == 0, np.float32(1), amax / np.float32(448)).astype(np.float32)
+    q = (blocks / scale).astype(ml_dtypes.float8_e4m3fn)
+    return (q.astype(np.float32) * scale).reshape(x.shape).astype(x.dtype)
 
 
 def ragged_tail(x: np.ndarray, group_sizes: np.ndarray) -> np.ndarray:

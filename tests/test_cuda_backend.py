@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gpu import gpu_devices, require_cuda
-from helpers import assert_bits_equal, specified
+from helpers import assert_bits_equal, quantize_dequantize, specified
 from jax.sharding import PartitionSpec as P
 
 pytestmark = require_cuda()
@@ -220,6 +220,27 @@ def test_combine_backward_matches_xla(mesh, layout, dtype, hidden, weighted):
     assert not np.any(dy[empty]) and not np.any(dweights[empty])
     np.testing.assert_allclose(dweights, want_dweights, rtol=1e-5, atol=1e-5 * np.abs(want_dweights).max())
     assert np.abs(dy.astype(np.float32)).sum() > 0 and (not weighted or np.abs(want_dweights).sum() > 0)
+
+
+@pytest.mark.parametrize("hidden", [256, 7168])
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_fp8_dispatch_is_the_formula_on_the_gpu(mesh, layout, hidden):
+    """wire_dtype=float8_e4m3fn on the GPU: d.x equals the NumPy quantize/dequantize formula dispatched without
+    FP8, bit for bit, on both backends, with an all-zero block and a huge outlier that stay finite."""
+    x, idx, w = _inputs(mesh, "messy", 96, hidden, 8, 32, jnp.bfloat16, seed=hidden + 5)
+    x = np.asarray(x)
+    x[2, :128] = 0
+    x[3, 5] = 3e4
+    kw = dict(num_experts=32, layout=layout, capacity=None if layout == "ragged" else 40, expert_alignment=4)
+    formula = _run(mesh, "xla", jnp.asarray(quantize_dequantize(x)), idx, w, **kw)
+    for backend in ("cuda", "xla"):
+        got = _run(mesh, backend, jnp.asarray(x), idx, w, wire_dtype=jnp.float8_e4m3fn, **kw)
+        assert_bits_equal(specified(got[0], got[2]), specified(formula[0], formula[2]), err_msg=f"{backend} x")
+        for g, e in zip(jax.tree.leaves(got[1:5]), jax.tree.leaves(formula[1:5]), strict=True):
+            assert_bits_equal(g, e, err_msg=f"{backend} weights/counts/handle")
+        assert np.isfinite(specified(got[0], got[2]).astype(np.float32)).all()
+    exact = _run(mesh, "cuda", jnp.asarray(x), idx, w, **kw)
+    assert not np.array_equal(specified(exact[0], exact[2]), specified(formula[0], formula[2]))
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])

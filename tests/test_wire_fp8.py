@@ -8,22 +8,22 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, run_dispatch, specified, to_numpy
+from helpers import (
+    AXIS,
+    assert_bits_equal,
+    ep_jit,
+    quantize_dequantize,
+    random_inputs,
+    routing,
+    run_dispatch,
+    specified,
+    to_numpy,
+)
 
 import jax_ep
 from jax_ep import _fp8
 
 R, T, K, E = 2, 8, 3, 8
-
-
-def quantize_dequantize(x: np.ndarray) -> np.ndarray:
-    """The contract's formula in NumPy: per 128 values, scale = amax / 448 (1 if all zero), q = e4m3(x / scale),
-    back as q * scale in x's dtype."""
-    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 128)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    scale = np.where(amax == 0, np.float32(1), amax / np.float32(448)).astype(np.float32)
-    q = (blocks / scale).astype(ml_dtypes.float8_e4m3fn)
-    return (q.astype(np.float32) * scale).reshape(x.shape).astype(x.dtype)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
