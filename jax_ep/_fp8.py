@@ -41,7 +41,7 @@ def packed_width(hidden: int) -> int:
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., H]`` -> e4m3 values ``[..., H]`` and float32 scales ``[..., H / 128]``.
+    """``x [..., H]`` -> e4m3 values ``[..., H]`` (as their uint8 bits) and float32 scales ``[..., H / 128]``.
 
     Per block of 128: ``scale = amax / 448`` (1 for an all-zero block), ``q = x / scale`` rounded to the
     nearest e4m3 (ties to even).
@@ -54,13 +54,41 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.where(zero, jnp.float32(1), amax) / jnp.where(zero, jnp.float32(1), jnp.float32(E4M3_MAX))
     # Nor may the divisor be a broadcast, which XLA also turns into a multiplication by a reciprocal: adding
     # 0 * blocks keeps each division exact for finite values (a block with inf or NaN has amax inf or NaN).
-    q = (blocks / (scale[..., None] + blocks * 0)).astype(jnp.float8_e4m3fn)
+    q = to_e4m3_bits(blocks / (scale[..., None] + blocks * 0))
     return q.reshape(x.shape), scale
 
 
+def to_e4m3_bits(v: jax.Array) -> jax.Array:
+    """float32 -> the uint8 bits of float8_e4m3fn, rounded to nearest, ties to even (NaN past the largest).
+
+    Integer arithmetic on the float32 bits, not ``astype``: XLA's GPU conversion rounds through float16 first,
+    and that double rounding moves about 0.5% of the values by one e4m3 step.
+    """
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    magnitude = bits & jnp.uint32(0x7FFFFFFF)
+    # Normal e4m3 (|v| >= 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry moves into the exponent.
+    kept = (magnitude + jnp.uint32(0x7FFFF) + ((magnitude >> 20) & jnp.uint32(1))) >> 20
+    normal = kept.astype(jnp.int32) - ((127 - 7) << 3)
+    # Subnormal e4m3 (|v| < 2^-6): multiples of 2^-9 (jnp.round rounds half to even).
+    subnormal = jnp.round(jax.lax.bitcast_convert_type(magnitude, jnp.float32) * 512).astype(jnp.int32)
+    code = jnp.where(magnitude < jnp.uint32(0x3C800000), subnormal, normal)  # 0x3C800000: 2^-6
+    code = jnp.minimum(code, 0x7F).astype(jnp.uint8)  # 0x7F: NaN (inf, NaN, and past 464 round there)
+    return code | ((bits >> 31).astype(jnp.uint8) << 7)
+
+
+def from_e4m3_bits(code: jax.Array) -> jax.Array:
+    """The uint8 bits of float8_e4m3fn -> float32, exactly."""
+    c = code.astype(jnp.uint32)
+    exponent, mantissa = (c >> 3) & jnp.uint32(0xF), c & jnp.uint32(7)
+    normal = jax.lax.bitcast_convert_type(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+    value = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * jnp.float32(2.0**-9), normal)
+    value = jnp.where((c & jnp.uint32(0x7F)) == 0x7F, jnp.float32(jnp.nan), value)
+    return jnp.where((c >> 7) == 1, -value, value)
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``(q.astype(float32) * scale).astype(dtype)``, each scale over its block of 128."""
-    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
+    """e4m3 bits ``q`` (uint8) times their block's scale, in ``dtype``: ``(q * scale).astype(dtype)``."""
+    blocks = from_e4m3_bits(q).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
     return (blocks * scale[..., None]).reshape(q.shape).astype(dtype)
 
 
@@ -69,7 +97,7 @@ def pack(x: jax.Array) -> jax.Array:
     q, scale = quantize(x)
     rows, hidden = x.shape
     parts = [
-        jax.lax.bitcast_convert_type(q, jnp.uint8),
+        q,
         jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(rows, 4 * (hidden // BLOCK)),
     ]
     pad = packed_width(hidden) - hidden - 4 * (hidden // BLOCK)
@@ -80,6 +108,6 @@ def pack(x: jax.Array) -> jax.Array:
 
 def unpack(rows: jax.Array, hidden: int, dtype: Any) -> jax.Array:
     """Packed rows ``[N, W]`` -> ``[N, H]`` in ``dtype``; a row of zero bytes gives zeros."""
-    q = jax.lax.bitcast_convert_type(rows[:, :hidden], jnp.float8_e4m3fn)
+    q = rows[:, :hidden]
     scale_bytes = rows[:, hidden : hidden + 4 * (hidden // BLOCK)].reshape(rows.shape[0], hidden // BLOCK, 4)
     return dequantize(q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32), dtype)
