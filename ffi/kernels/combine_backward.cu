@@ -19,10 +19,12 @@ struct BackwardParams {
   const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
   int64_t num_tokens, hidden, topk, num_rows, row_bytes;
   int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
+  int32_t steps;  // SumSteps(hidden, width)
   void* dy;
   float* dweights;
   DispatchRegion region;
-  int send_pieces, recv_pieces;  // recv_pieces divides kWarps
+  Divisor send_pieces, recv_pieces;  // recv_pieces divides kSumWarps
+  Divisor ranks, tokens;
   bool do_send, do_receive;
 };
 
@@ -160,9 +162,9 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
 
   if (p.do_send) {
     if (may_run) {
-      for (int64_t item = first_warp; item < T * R * p.send_pieces; item += warps) {
+      for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t t = up.unit / R;
+        const int32_t t = p.ranks.Divide(up.unit);
         const int dest = up.unit - t * R;
         const int32_t pos = p.token_dest_pos[t * R + dest];
         if (dest == me || pos < 0) continue;
@@ -181,8 +183,8 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   }
 
   // Every block runs the same rounds (the pieces of a token meet at __syncthreads to add their dots).
-  const int pieces = p.recv_pieces;
-  const int64_t items = R * T * pieces;
+  const Divisor& pieces = p.recv_pieces;
+  const int64_t items = R * T * pieces.value;
   const bool with_dots = p.dweights != nullptr;
   float* my_dots = with_dots ? dots[warp] : nullptr;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += warps) {
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     int count = 0, piece = 0;
     if (item < items) {
       const UnitPiece up = SplitItem(item, pieces);
-      const int source = up.unit / static_cast<int32_t>(T);
+      const int source = p.tokens.Divide(up.unit);
       const int32_t i = up.unit - source * static_cast<int32_t>(T);
       piece = up.piece;
       const int32_t* rows_by_k = nullptr;
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
           __syncwarp();
         }
         int64_t begin, end;
-        PieceElements(H, p.width, pieces, piece, &begin, &end);
+        PieceElements(H, p.width, p.steps, pieces, piece, &begin, &end);
         BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[warp], held_weights[warp], count, begin, end,
                          my_dots, lane);
       }
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
       if (count > 0 && piece == 0) {  // warps warp .. warp + pieces - 1 hold this token's parts, in piece order
         for (int j = lane; j < count; j += 32) {
           float total = 0.0f;
-          for (int w = 0; w < pieces; ++w) total += dots[warp + w][j];
+          for (int w = 0; w < pieces.value; ++w) total += dots[warp + w][j];
           p.dweights[held_rows[warp][j]] = total;
         }
       }
@@ -255,10 +257,13 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
   const int64_t units = p.num_tokens * R;
-  p.send_pieces = PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks, kSumWarps);
-  p.recv_pieces = PiecesInBlock(PiecesPerRow(units, SumSteps(p.hidden, p.width), g.max_blocks, kSumWarps));
-  const int64_t send_items = units * p.send_pieces;
-  const int64_t recv_items = std::max(units * p.recv_pieces, (p.num_rows + 31) / 32);
+  p.steps = static_cast<int32_t>(SumSteps(p.hidden, p.width));
+  p.send_pieces = Divisor(PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks, kSumWarps));
+  p.recv_pieces = Divisor(PiecesInBlock(PiecesPerRow(units, p.steps, g.max_blocks, kSumWarps)));
+  p.ranks = Divisor(R);
+  p.tokens = Divisor(p.num_tokens);
+  const int64_t send_items = units * p.send_pieces.value;
+  const int64_t recv_items = std::max(units * p.recv_pieces.value, (p.num_rows + 31) / 32);
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {

@@ -2,8 +2,6 @@
 // (local expert, rank, weight) and this rank's counts, stored into the peer's staging half), then, once every
 // peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
 // layout.
-#include <cub/block/block_scan.cuh>
-
 #include <algorithm>
 
 #include "launch.h"
@@ -30,7 +28,7 @@ struct DispatchParams {
   int64_t num_tokens, row_bytes, topk, num_rows;
   const int32_t* topk_idx;
   const float* topk_weights;
-  int64_t num_experts, local_experts, capacity, alignment;
+  int64_t num_experts, local_experts, capacity;
   bool expert_layout;
   RoutingScratch s;
   char* out_x;
@@ -38,14 +36,15 @@ struct DispatchParams {
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
   DispatchRegion region;
-  int send_pieces, recv_pieces;
+  Divisor send_pieces, recv_pieces, ranks, tokens, align;
   bool do_send, do_receive;
 };
 
 // Position of token t in this rank's send list to rank d, or -1.
 __device__ inline int32_t TokenPos(const DispatchParams& p, const int32_t* scratch, int num_ranks, int64_t t, int d) {
-  const int32_t chunk = static_cast<int32_t>(t) / static_cast<int32_t>(p.s.tokens_per_chunk);
   const int32_t local = scratch[p.s.token_local + t * num_ranks + d];
+  if (p.s.chunks == 1) return local;
+  const int32_t chunk = static_cast<int32_t>(t) >> p.s.chunk_shift;
   const int32_t base = scratch[p.s.chunk_rank + chunk * num_ranks + d];  // both loads at once
   return local < 0 ? -1 : base + local;
 }
@@ -55,11 +54,11 @@ __device__ inline StagedSlot SlotFor(const DispatchParams& p, const int32_t* scr
   const int32_t e = p.topk_idx[t * p.topk + k];
   const int32_t local_rank = scratch[p.s.slot_local + t * p.topk + k];  // loads that do not wait for e
   const float weight = p.topk_weights[t * p.topk + k];
-  const int32_t local_experts = static_cast<int32_t>(p.local_experts);
-  if (e < 0 || e >= p.num_experts || e / local_experts != dest) return StagedSlot{-1, 0, 0.0f};
-  const int32_t chunk = static_cast<int32_t>(t) / static_cast<int32_t>(p.s.tokens_per_chunk);
-  return StagedSlot{e - dest * local_experts, scratch[p.s.chunk_expert + chunk * p.num_experts + e] + local_rank,
-                    weight};
+  const int32_t first = dest * static_cast<int32_t>(p.local_experts);  // dest's experts: [first, first + L)
+  if (e < first || e >= first + p.local_experts) return StagedSlot{-1, 0, 0.0f};
+  if (p.s.chunks == 1) return StagedSlot{e - first, local_rank, weight};
+  const int32_t chunk = static_cast<int32_t>(t) >> p.s.chunk_shift;
+  return StagedSlot{e - first, scratch[p.s.chunk_expert + chunk * p.num_experts + e] + local_rank, weight};
 }
 
 // A slot as a peer staged it. Values outside what a sender can write (a region left from another call after a
@@ -104,9 +103,32 @@ struct Tables {
 };
 
 // total rounded up to a multiple of alignment (which the API keeps at most the capacity, an int32).
-__device__ inline int32_t Padded(int32_t total, int64_t alignment) {
-  const uint32_t a = static_cast<uint32_t>(alignment);
-  return static_cast<int32_t>((static_cast<uint32_t>(total) + a - 1) / a * a);
+__device__ inline int32_t Padded(int32_t total, const Divisor& alignment) {
+  return alignment.Divide(total + alignment.value - 1) * alignment.value;
+}
+
+// Block-wide exclusive prefix sum of one value per thread (blocks of whole warps, at most kThreads). Once per
+// kernel: its shared totals are not reused.
+__device__ inline int32_t BlockExclusiveSum(int32_t value) {
+  __shared__ int32_t warp_totals[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t inclusive = value;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int32_t other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t total = lane < static_cast<int>(blockDim.x / 32) ? warp_totals[lane] : 0;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int32_t other = __shfl_up_sync(0xffffffffu, total, offset);
+      if (lane >= offset) total += other;
+    }
+    warp_totals[lane] = total;  // inclusive over the warps
+  }
+  __syncthreads();
+  return inclusive - value + (warp > 0 ? warp_totals[warp - 1] : 0);
 }
 
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
@@ -136,22 +158,19 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     return;
   }
   // Segment starts: exclusive prefix of the padded totals; each thread scans a run of consecutive experts.
-  using BlockScan = cub::BlockScan<int32_t, kThreads>;
-  __shared__ typename BlockScan::TempStorage scan;
-  const int64_t per_thread = (L + kThreads - 1) / kThreads;
-  const int64_t first = threadIdx.x * per_thread, last = std::min<int64_t>(L, first + per_thread);
+  const int32_t per_thread = static_cast<int32_t>((L + kThreads - 1) / kThreads);
+  const int32_t first = threadIdx.x * per_thread, last = std::min<int32_t>(static_cast<int32_t>(L), first + per_thread);
   int32_t mine = 0;
-  for (int64_t l = first; l < last; ++l) mine += Padded(t.total[l], p.alignment);
-  int32_t before;
-  BlockScan(scan).ExclusiveSum(mine, before);
-  for (int64_t l = first; l < last; ++l) {
+  for (int32_t l = first; l < last; ++l) mine += Padded(t.total[l], p.align);
+  int32_t before = BlockExclusiveSum(mine);
+  for (int32_t l = first; l < last; ++l) {
     t.seg_start[l] = before;
-    before += Padded(t.total[l], p.alignment);
+    before += Padded(t.total[l], p.align);
   }
   __syncthreads();
   for (int32_t i = threadIdx.x; i < R * L; i += blockDim.x) t.start[i] += t.seg_start[i % static_cast<int32_t>(L)];
   if (threadIdx.x == 0) {
-    const int32_t end = t.seg_start[L - 1] + Padded(t.total[L - 1], p.alignment);
+    const int32_t end = t.seg_start[L - 1] + Padded(t.total[L - 1], p.align);
     *t.data_end = static_cast<int32_t>(std::min<int64_t>(end, p.capacity));
   }
   __syncthreads();
@@ -171,7 +190,7 @@ __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const i
       size = kept = static_cast<int32_t>(std::min<int64_t>(total, C));
     } else {
       const int64_t seg = t.seg_start[l];
-      size = static_cast<int32_t>(std::min<int64_t>(seg + Padded(total, p.alignment), C) - std::min<int64_t>(seg, C));
+      size = static_cast<int32_t>(std::min<int64_t>(seg + Padded(total, p.align), C) - std::min<int64_t>(seg, C));
       kept = static_cast<int32_t>(std::clamp<int64_t>(C - seg, 0, total));
     }
     p.group_sizes[l] = size;
@@ -271,9 +290,9 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
 
   if (p.do_send) {
     if (may_run) {
-      for (int64_t item = first_warp; item < T * R * p.send_pieces; item += warps) {
+      for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t t = up.unit / R;
+        const int32_t t = p.ranks.Divide(up.unit);
         const int dest = up.unit - t * R;
         const int32_t pos = TokenPos(p, scratch, R, t, dest);
         if (up.piece == 0 && lane == 0) p.token_dest_pos[t * R + dest] = pos;
@@ -310,14 +329,14 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
   if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
-  const int64_t token_items = R * T * p.recv_pieces;
+  const int64_t token_items = R * T * p.recv_pieces.value;
   for (int64_t item = first_warp; item < token_items + (p.num_rows + 31) / 32; item += warps) {
     if (item >= token_items) {
       FillRows(p, tables, static_cast<int32_t>(item - token_items) * 32, lane);
       continue;
     }
     const UnitPiece up = SplitItem(item, p.recv_pieces);
-    const int source = up.unit / static_cast<int32_t>(T);
+    const int source = p.tokens.Divide(up.unit);
     const int32_t i = up.unit - source * static_cast<int32_t>(T);
     if (up.piece == 0 && i >= recv_count[source]) {
       for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
@@ -343,10 +362,12 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
   Status status = CheckStaging(p->region.bytes, g);
   if (!status.ok()) return status;
   const int64_t steps = CopySteps(p->row_bytes), units = p->num_tokens * g.num_ranks;
-  p->send_pieces = PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks);
-  p->recv_pieces = PiecesPerRow(units, steps, g.max_blocks);
-  *send_items = units * p->send_pieces;
-  *recv_items = units * p->recv_pieces + (p->num_rows + 31) / 32;
+  p->send_pieces = Divisor(PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks));
+  p->recv_pieces = Divisor(PiecesPerRow(units, steps, g.max_blocks));
+  p->ranks = Divisor(g.num_ranks);
+  p->tokens = Divisor(p->num_tokens);
+  *send_items = units * p->send_pieces.value;
+  *recv_items = units * p->recv_pieces.value + (p->num_rows + 31) / 32;
   return CheckItems(std::max(*send_items, *recv_items));
 }
 
@@ -376,7 +397,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.num_experts = c.num_experts;
   p.local_experts = c.num_experts / R;
   p.capacity = c.capacity;
-  p.alignment = c.alignment;
+  p.align = Divisor(c.alignment);
   p.expert_layout = c.expert_layout;
   p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
   p.out_x = c.out_x;

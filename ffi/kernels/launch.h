@@ -80,6 +80,31 @@ struct GroupView {
   int64_t scratch_ints;
 };
 
+// A divisor fixed at launch: n / value for 0 <= n < 2^31 as a multiply-high and a shift. The small calls are
+// latency-bound, and a division by a runtime value is a dependent chain of about 20 instructions.
+struct Divisor {
+  int32_t value = 1;
+  uint32_t multiplier = 0;  // 0: value 1
+  uint32_t shift = 0;
+  Divisor() = default;
+  explicit Divisor(int64_t divisor) : value(static_cast<int32_t>(divisor)) {
+    if (divisor <= 1) return;
+    uint32_t log2 = 0;  // ceil(log2(divisor))
+    while ((int64_t{1} << log2) < divisor) ++log2;
+    const uint32_t p = 31 + log2;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << p) + static_cast<uint64_t>(divisor) - 1) / divisor);
+    shift = p - 32;
+  }
+  JAX_EP_HOST_DEVICE int32_t Divide(int32_t n) const {
+    if (multiplier == 0) return n;
+#ifdef __CUDA_ARCH__
+    return static_cast<int32_t>(__umulhi(static_cast<uint32_t>(n), multiplier) >> shift);
+#else
+    return static_cast<int32_t>(((static_cast<uint64_t>(n) * multiplier) >> 32) >> shift);
+#endif
+  }
+};
+
 JAX_EP_HOST_DEVICE inline bool ByNccl(uint64_t nccl_ranks, int rank) { return (nccl_ranks >> rank) & 1; }
 
 // Bytes of one source's region of a staging half for a dispatch of T tokens of `row_bytes` (K slots, L local
@@ -111,6 +136,7 @@ struct CombineRegion {
 // The routing kernel's scratch (int32 offsets) for T tokens, K slots, E experts and R ranks.
 struct RoutingScratch {
   int64_t tokens_per_chunk = 1, chunks = 0, warps = 0;
+  int chunk_shift = 0;  // tokens_per_chunk = 1 << chunk_shift
   int64_t slot_local = 0, token_local = 0, chunk_expert = 0, chunk_rank = 0, chunk_invalid = 0, expert_count = 0,
           rank_count = 0, num_invalid = 0;
   int64_t ints = 0;

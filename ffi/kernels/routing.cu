@@ -17,7 +17,9 @@ constexpr int kRoutingSharedBytes = 96 * 1024;
 
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
   warps = std::clamp<int64_t>(kRoutingSharedBytes / (2 * std::max<int64_t>(num_experts, 1)), 1, kWarps);
-  tokens_per_chunk = std::max<int64_t>(1, warps * 32 * kBatchesPerWarp / std::max<int64_t>(topk, 1));
+  const int64_t most = std::max<int64_t>(1, warps * 32 * kBatchesPerWarp / std::max<int64_t>(topk, 1));
+  while ((int64_t{2} << chunk_shift) <= most) ++chunk_shift;  // a power of two: chunk = t >> chunk_shift
+  tokens_per_chunk = int64_t{1} << chunk_shift;
   chunks = std::max<int64_t>(1, (num_tokens + tokens_per_chunk - 1) / tokens_per_chunk);
   slot_local = 0;
   token_local = slot_local + num_tokens * topk;
@@ -55,25 +57,26 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
 
 __global__ void __launch_bounds__(kThreads)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
-                  int num_ranks, RoutingScratch s, int32_t* scratch, int32_t* __restrict__ slot_dest,
-                  uint32_t* done) {
+                  int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
+                  int32_t* __restrict__ slot_dest, uint32_t* done) {
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
   __shared__ int32_t rank_seen[kWarps][kMaxRanks];
   __shared__ int32_t invalid_seen[kWarps];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int32_t local_experts = static_cast<int32_t>(num_experts / num_ranks);
   const int64_t chunk = blockIdx.x;
   const int64_t t0 = chunk * s.tokens_per_chunk;
   const int64_t t1 = std::min<int64_t>(num_tokens, t0 + s.tokens_per_chunk);
   int32_t* slot_local = scratch + s.slot_local;
   int32_t* token_local = scratch + s.token_local;
-  for (int64_t i = threadIdx.x; i < warps * num_experts; i += blockDim.x) expert_seen[i] = 0;
+  const int32_t seen_entries = warps * static_cast<int32_t>(num_experts);
+  for (int32_t i = threadIdx.x; i < seen_entries; i += blockDim.x) expert_seen[i] = 0;
   for (int i = threadIdx.x; i < warps * kMaxRanks; i += blockDim.x) rank_seen[i / kMaxRanks][i % kMaxRanks] = 0;
   __syncthreads();
 
   // Slots: warp w ranks slots [w * per_warp, (w + 1) * per_warp) of the chunk, in order.
-  const int64_t first_slot = t0 * topk, chunk_slots = (t1 - t0) * topk;
-  const int64_t per_warp = (chunk_slots + warps - 1) / warps;
+  const int64_t first_slot = t0 * topk;
+  const int32_t chunk_slots = static_cast<int32_t>((t1 - t0) * topk);  // at most kThreads * kBatchesPerWarp
+  const int32_t per_warp = (chunk_slots + warps - 1) / warps;
   int32_t expert_of[kBatchesPerWarp], rank_of[kBatchesPerWarp];
 #pragma unroll
   for (int b = 0; b < kBatchesPerWarp; ++b) {  // every load in flight at once: the kernel is latency-bound
@@ -99,14 +102,14 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
     expert_of[b] = valid ? e : -1;
     rank_of[b] = seen + before;
-    if (in) slot_dest[first_slot + slot] = valid ? e / local_experts : -1;
+    if (in) slot_dest[first_slot + slot] = valid ? local_experts.Divide(e) : -1;
   }
   for (int offset = 16; offset > 0; offset /= 2) invalid += __shfl_down_sync(0xffffffffu, invalid, offset);
   if (lane == 0) invalid_seen[warp] = invalid;
 
   // Tokens: warp w takes tokens [w * per_warp_tokens, ...) of the chunk, 32 at a time, in order.
-  const int64_t chunk_tokens = t1 - t0;
-  const int64_t per_warp_tokens = (chunk_tokens + warps - 1) / warps;
+  const int32_t chunk_tokens = static_cast<int32_t>(t1 - t0);
+  const int32_t per_warp_tokens = (chunk_tokens + warps - 1) / warps;
   for (int64_t b = 0; b * 32 < per_warp_tokens; ++b) {
     const int64_t in_warp = b * 32 + lane;
     const int64_t t = t0 + warp * per_warp_tokens + in_warp;
@@ -123,13 +126,13 @@ __global__ void __launch_bounds__(kThreads)
       for (int q = 0; q < 4; ++q) {
         if (q >= topk / 4) break;
         for (const int32_t e : {ids[q].x, ids[q].y, ids[q].z, ids[q].w}) {
-          if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << (e / local_experts);
+          if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << local_experts.Divide(e);
         }
       }
     } else {
       for (int k = 0; in && k < topk; ++k) {
         const int32_t e = topk_idx[t * topk + k];
-        if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << (e / local_experts);
+        if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << local_experts.Divide(e);
       }
     }
     for (int d = 0; d < num_ranks; ++d) {
@@ -226,8 +229,8 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   }
   const size_t shared = static_cast<size_t>(s.warps * num_experts) * sizeof(uint16_t);
   RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(
-      topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks, s, group.scratch, slot_dest,
-      &group.signals->routing_done);
+      topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks,
+      Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, &group.signals->routing_done);
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return Status::Internal(std::string("launching RoutingKernel: ") + cudaGetErrorString(status));
   return Status::Ok();

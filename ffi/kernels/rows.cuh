@@ -48,22 +48,21 @@ struct UnitPiece {
   int32_t unit;
   int piece;
 };
-__device__ inline UnitPiece SplitItem(int64_t item, int pieces) {
-  const uint32_t i = static_cast<uint32_t>(item);
-  if (pieces == 1) return UnitPiece{static_cast<int32_t>(i), 0};
-  const uint32_t unit = i / static_cast<uint32_t>(pieces);
-  return UnitPiece{static_cast<int32_t>(unit), static_cast<int>(i - unit * pieces)};
+__device__ inline UnitPiece SplitItem(int64_t item, const Divisor& pieces) {
+  const int32_t i = static_cast<int32_t>(item);
+  const int32_t unit = pieces.Divide(i);
+  return UnitPiece{unit, static_cast<int>(i - unit * pieces.value)};
 }
 
 // Byte range [begin, end) of piece `piece` of a row copy.
-__device__ inline void PieceBytes(int64_t row_bytes, int pieces, int piece, int64_t* begin, int64_t* end) {
-  if (pieces == 1) {
+__device__ inline void PieceBytes(int64_t row_bytes, const Divisor& pieces, int piece, int64_t* begin, int64_t* end) {
+  if (pieces.value == 1) {
     *begin = 0;
     *end = row_bytes;
     return;
   }
   const int32_t steps = static_cast<int32_t>(CopySteps(row_bytes));
-  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
+  const int32_t first = pieces.Divide(steps * piece), last = pieces.Divide(steps * (piece + 1));
   *begin = first * kCopyStep;
   *end = last * kCopyStep < row_bytes ? last * kCopyStep : row_bytes;
 }
@@ -120,16 +119,29 @@ __device__ inline uint4 Load16(const uint4* p) {
 // registers).
 constexpr int kPerLane = 4;
 
+// CopyToRows (below) byte by byte, for rows that are not 16-byte aligned; out of line, so that the common path
+// stays short.
+template <bool kStaged>
+__device__ __noinline__ void CopyBytesToRows(const char* src, const int32_t* rows, int count, char* out,
+                                             int64_t row_stride, int64_t bytes, int lane) {
+  for (int j = 0; j < count; ++j) {
+    char* dst = out + rows[j] * row_stride;
+    for (int64_t b = lane; b < bytes; b += 32) dst[b] = src == nullptr ? 0 : (kStaged ? __ldcg(src + b) : src[b]);
+  }
+}
+
+// Whether a copy of `bytes` from src to rows at out + row * row_stride can move 16-byte words.
+__device__ inline bool Aligned16(const char* src, const char* out, int64_t row_stride, int64_t bytes) {
+  return (bytes | reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | row_stride) % 16 == 0;
+}
+
 // One warp writes `bytes` bytes of a token row to every row in rows[0:count) at out + row * row_stride;
 // src == nullptr writes zeros. Each part of the token is read once and stored to all of its rows.
 template <bool kStaged>
 __device__ inline void CopyToRows(const char* src, const int32_t* rows, int count, char* out, int64_t row_stride,
                                   int64_t bytes, int lane) {
-  if (bytes % 16 != 0 || (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out) | row_stride) % 16) {
-    for (int j = 0; j < count; ++j) {
-      char* dst = out + rows[j] * row_stride;
-      for (int64_t b = lane; b < bytes; b += 32) dst[b] = src == nullptr ? 0 : (kStaged ? __ldcg(src + b) : src[b]);
-    }
+  if (!Aligned16(src, out, row_stride, bytes)) {
+    CopyBytesToRows<kStaged>(src, rows, count, out, row_stride, bytes, lane);
     return;
   }
   const int n = static_cast<int>(bytes / 16);
@@ -171,7 +183,7 @@ __device__ inline void Poison(void* p, int64_t bytes) {
 // the send phase of a dispatch and of combine's backward pass.
 __device__ inline void StoreTokenPiece(const GroupView& g, const Call& call, const DispatchRegion& region,
                                        const char* x, int64_t row_bytes, int32_t t, int dest, int32_t pos,
-                                       int pieces, int piece, int lane) {
+                                       const Divisor& pieces, int piece, int lane) {
   char* at = RegionAt(g, call, dest, region.bytes) + region.rows + pos * region.stride;
   int64_t begin, end;
   PieceBytes(row_bytes, pieces, piece, &begin, &end);
@@ -202,13 +214,14 @@ constexpr int Wide() {
   return static_cast<int>(16 / sizeof(T));
 }
 
-// Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece.
+// Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece of a row of
+// `steps` such steps.
 __host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
   return (hidden + 32 * width - 1) / (32 * width);
 }
-__device__ inline void PieceElements(int64_t hidden, int width, int pieces, int piece, int64_t* begin, int64_t* end) {
-  const int32_t steps = static_cast<int32_t>(SumSteps(hidden, width));
-  const int32_t first = steps * piece / pieces, last = steps * (piece + 1) / pieces;
+__device__ inline void PieceElements(int64_t hidden, int width, int32_t steps, const Divisor& pieces, int piece,
+                                     int64_t* begin, int64_t* end) {
+  const int32_t first = pieces.Divide(steps * piece), last = pieces.Divide(steps * (piece + 1));
   *begin = first * 32 * width;
   *end = std::min<int64_t>(last * 32 * width, hidden);
 }
