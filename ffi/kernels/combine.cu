@@ -21,11 +21,10 @@ struct CombineParams {
   const int32_t *recv_rows, *recv_counts, *token_dest_pos, *slot_dest;
   int64_t num_tokens, hidden, topk;
   int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
-  int32_t steps;  // SumSteps(hidden, width)
   void* out;
   float* slot_values;
   CombineRegion region;
-  Divisor send_pieces, recv_pieces, tokens;
+  int send_pieces, recv_pieces;
   bool do_send, do_receive;
 };
 
@@ -106,9 +105,9 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
 
   if (p.do_send) {
     if (may_run) {
-      for (int64_t item = first_warp; item < (R - 1) * T * p.send_pieces.value; item += warps) {
+      for (int64_t item = first_warp; item < (R - 1) * T * p.send_pieces; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t peer_index = p.tokens.Divide(up.unit), i = up.unit - peer_index * static_cast<int32_t>(T);
+        const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
         const int source = static_cast<int>(peer_index < me ? peer_index : peer_index + 1);
         if (i >= p.recv_counts[source]) continue;
         const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
@@ -116,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         char* region = RegionAt(g, call, source, p.region.bytes);
         P* dst = reinterpret_cast<P*>(region + p.region.rows + i * p.region.stride);
         int64_t begin, end;
-        PieceElements(H, p.width, p.steps, p.send_pieces, up.piece, &begin, &end);
+        PieceElements(H, p.width, p.send_pieces, up.piece, &begin, &end);
         for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
           float acc[kWide];
           PartialSum(y, H, rows, weights, count, e, p.width, acc);
@@ -141,14 +140,14 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   }
 
   Y* out = static_cast<Y*>(p.out);
-  for (int64_t item = first_warp; item < T * p.recv_pieces.value; item += warps) {
+  for (int64_t item = first_warp; item < T * p.recv_pieces; item += warps) {
     const UnitPiece up = SplitItem(item, p.recv_pieces);
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
     const int32_t own_pos = dest_pos[me];
     const int count = own_pos < 0 ? 0 : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, lane);
     int64_t begin, end;
-    PieceElements(H, p.width, p.steps, p.recv_pieces, up.piece, &begin, &end);
+    PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
     for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
       float total[kWide] = {};
       for (int d = 0; d < R; ++d) {
@@ -194,12 +193,10 @@ template <typename Y, typename P>
 Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
-  p.steps = static_cast<int32_t>(SumSteps(p.hidden, p.width));
-  p.send_pieces = Divisor(PiecesPerRow((R - 1) * p.num_tokens, p.steps, g.max_blocks));
-  p.recv_pieces = Divisor(PiecesPerRow(p.num_tokens, p.steps, g.max_blocks));
-  p.tokens = Divisor(p.num_tokens);
-  const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces.value;
-  const int64_t recv_items = p.num_tokens * p.recv_pieces.value;
+  const int64_t steps = SumSteps(p.hidden, p.width);
+  p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks);
+  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
+  const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
