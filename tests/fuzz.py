@@ -6,6 +6,7 @@ Run as a script::
     python tests/fuzz.py --replay SEED             # rerun one case, print its config and every mismatch
     python tests/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
     python tests/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
+    python tests/fuzz.py --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
@@ -53,6 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import reference  # noqa: E402
+from conftest import cpu_mesh  # noqa: E402
 from helpers import (  # noqa: E402
     AXIS,
     INVALID_IDS,
@@ -62,6 +64,7 @@ from helpers import (  # noqa: E402
     specified,
     to_numpy,
 )
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
@@ -431,12 +434,32 @@ def program(bucket: Bucket, platform: str = "cpu"):
             dy_1=dy_1,
         )
 
-    return ep_jit(body, b.num_ranks, platform)
+    return ep_jit(body, b.num_ranks, platform, ep_mesh(b.num_ranks, platform))
+
+
+# (this process's index, processes) when the ranks are spread over processes (--shared-gpu), else None.
+PROCESS: tuple[int, int] | None = None
+
+
+def ep_mesh(num_ranks: int, platform: str) -> jax.sharding.Mesh:
+    """The ranks' devices: the first ``num_ranks`` of the platform, or over several processes the first of each."""
+    if PROCESS is None:
+        return cpu_mesh((num_ranks,), (AXIS,)) if platform == "cpu" else gpu_mesh(num_ranks)
+    devices = jax.devices(platform)
+    firsts = [next(d for d in devices if d.process_index == p) for p in range(PROCESS[1])]
+    return jax.make_mesh((num_ranks,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=firsts)
 
 
 def run_case(case: Case, platform: str = "cpu") -> dict[str, np.ndarray]:
-    """The outputs of the bucket's program on the case's inputs, as NumPy arrays stacked over ranks."""
-    return to_numpy(program(case.bucket, platform)(*(case.inputs[name] for name in INPUTS)))
+    """The outputs of the bucket's program on the case's inputs, as NumPy arrays stacked over ranks; over
+    several processes, this process's rank only (``[1, ...]``)."""
+    run = program(case.bucket, platform)
+    inputs = [case.inputs[name] for name in INPUTS]
+    if PROCESS is None:
+        return to_numpy(run(*inputs))
+    sharding = jax.sharding.NamedSharding(ep_mesh(case.bucket.num_ranks, platform), P(AXIS))
+    inputs = [jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in inputs]
+    return {name: np.asarray(value.addressable_shards[0].data) for name, value in run(*inputs).items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -509,48 +532,56 @@ def tolerances(bucket: Bucket) -> dict[str, float]:
     )
 
 
-def check_case(case: Case, got: dict[str, np.ndarray]) -> list[str]:
-    """Every mismatch of ``got`` (the program's outputs) against the reference; empty when the case passes."""
+def _rank_of(rank: int | None):
+    """Reference arrays (stacked over ranks) cut to one rank's ``[1, ...]``, or whole for ``rank=None``."""
+    return (lambda a: a) if rank is None else (lambda a: np.asarray(a)[rank : rank + 1])
+
+
+def check_case(case: Case, got: dict[str, np.ndarray], rank: int | None = None) -> list[str]:
+    """Every mismatch of ``got`` (the program's outputs) against the reference; empty when the case passes.
+
+    With ``rank``, ``got`` holds that rank's outputs only (``[1, ...]``: one process of several)."""
     b, ref, inp = case.bucket, case.ref, case.inputs
     xd, yd = jnp.dtype(b.x_dtype), jnp.dtype(b.y_dtype)
     partial = None if b.partial_dtype is None else np.dtype(b.partial_dtype)
     eps = tolerances(b)
-    ragged_specified = functools.partial(specified, group_sizes=ref.group_sizes)
+    pick = _rank_of(rank)
+    ragged_specified = functools.partial(specified, group_sizes=pick(ref.group_sizes))
     problems: list[str | None] = []
     report = problems.append
 
     # dispatch: every specified field bit for bit.
     for field in ("group_sizes", "num_dropped", "num_invalid", "weights"):
-        report(bits_mismatch(f"dispatch.{field}", got[field], getattr(ref, field)))
-    if got["x"].shape == ref.x.shape:
-        report(bits_mismatch("dispatch.x (specified rows)", ragged_specified(got["x"]), ragged_specified(ref.x)))
+        report(bits_mismatch(f"dispatch.{field}", got[field], pick(getattr(ref, field))))
+    if got["x"].shape == pick(ref.x).shape:
+        report(bits_mismatch("dispatch.x (specified rows)", ragged_specified(got["x"]), ragged_specified(pick(ref.x))))
     else:
-        report(f"dispatch.x: shape {got['x'].shape}, want {ref.x.shape}")
+        report(f"dispatch.x: shape {got['x'].shape}, want {pick(ref.x).shape}")
 
     # combine, with the given row weights and with none.
     y, row_weights = inp["y"], inp["row_weights"]
     abs_y = np.abs(y.astype(np.float64))
     for name, weights in (("combine(weights=row_weights)", row_weights), ("combine(weights=None)", None)):
         out = got["out_w" if weights is not None else "out_1"]
-        want = reference.combine(ref, y, weights)
-        magnitude = reference.combine(ref, abs_y, None if weights is None else np.abs(weights.astype(np.float64)))
+        want = pick(reference.combine(ref, y, weights))
+        magnitude = pick(reference.combine(ref, abs_y, None if weights is None else np.abs(weights.astype(np.float64))))
         report(close_mismatch(name, out, want, magnitude, eps["combine"], yd))
         if case.exact:
-            ordered = reference.combine_ordered(ref, y, weights, partial)
+            ordered = pick(reference.combine_ordered(ref, y, weights, partial))
             report(bits_mismatch(f"{name} vs combine_ordered", out, ordered))
 
     # dispatch VJP: dx is a combine of d(Dispatched.x) with the default partial dtype; dtopk_weights a gather.
     ct_x, ct_w = inp["ct_x"], inp["ct_w"]
-    want_dx, want_dtw = reference.dispatch_vjp(ref, ct_x, ct_w)
-    magnitude_dx = reference.dispatch_vjp(ref, np.abs(ct_x.astype(np.float64)), ct_w)[0]
+    want_dx, want_dtw = (pick(a) for a in reference.dispatch_vjp(ref, ct_x, ct_w))
+    magnitude_dx = pick(reference.dispatch_vjp(ref, np.abs(ct_x.astype(np.float64)), ct_w)[0])
     report(close_mismatch("dispatch vjp dx", got["dx"], want_dx, magnitude_dx, eps["dx"], xd))
-    report(bits_mismatch("dispatch vjp dx vs combine_ordered", got["dx"], reference.combine_ordered(ref, ct_x)))
+    report(bits_mismatch("dispatch vjp dx vs combine_ordered", got["dx"], pick(reference.combine_ordered(ref, ct_x))))
     report(bits_mismatch("dispatch vjp dtopk_weights", got["dtopk_weights"], want_dtw))
 
     # combine VJP: dy = w * g[t] (specified rows), dweights = <g[t], y[row]> (every row), dy without weights = g[t].
     g = inp["g"]
-    want_dy, want_dweights = reference.combine_vjp(ref, y, row_weights, g)
-    magnitude_dw = reference.combine_vjp(ref, abs_y, None, np.abs(g.astype(np.float64)))[1]
+    want_dy, want_dweights = (pick(a) for a in reference.combine_vjp(ref, y, row_weights, g))
+    magnitude_dw = pick(reference.combine_vjp(ref, abs_y, None, np.abs(g.astype(np.float64)))[1])
     dy = got["dy"]
     if dy.shape == want_dy.shape:
         dy, want_dy = ragged_specified(dy), ragged_specified(want_dy)
@@ -561,7 +592,7 @@ def check_case(case: Case, got: dict[str, np.ndarray]) -> list[str]:
             "combine vjp dweights", got["dweights"], want_dweights, magnitude_dw, eps["dweights"], dweights_dtype
         )
     )
-    want_dy_1 = reference.combine_vjp(ref, y, None, g)[0].astype(yd)
+    want_dy_1 = pick(reference.combine_vjp(ref, y, None, g)[0].astype(yd))
     dy_1 = got["dy_1"]
     if dy_1.shape == want_dy_1.shape:
         dy_1, want_dy_1 = ragged_specified(dy_1), ragged_specified(want_dy_1)
@@ -569,18 +600,20 @@ def check_case(case: Case, got: dict[str, np.ndarray]) -> list[str]:
     return [p for p in problems if p is not None]
 
 
-def _specified_outputs(case: Case, got: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _specified_outputs(case: Case, got: dict[str, np.ndarray], rank: int | None = None) -> dict[str, np.ndarray]:
     """``got`` with the ragged tails (unspecified rows) of ``x``, ``dy`` and ``dy_1`` zeroed."""
     out = dict(got)
     if case.bucket.layout == "ragged":
         for name in ("x", "dy", "dy_1"):
-            out[name] = specified(got[name], case.ref.group_sizes)
+            out[name] = specified(got[name], _rank_of(rank)(case.ref.group_sizes))
     return out
 
 
-def determinism_mismatch(case: Case, first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> list[str]:
+def determinism_mismatch(
+    case: Case, first: dict[str, np.ndarray], second: dict[str, np.ndarray], rank: int | None = None
+) -> list[str]:
     """Fields whose specified values differ in bits between two runs of the same case."""
-    a, b = _specified_outputs(case, first), _specified_outputs(case, second)
+    a, b = _specified_outputs(case, first, rank), _specified_outputs(case, second, rank)
     found = (bits_mismatch(f"determinism: {name}", b[name], a[name]) for name in a)
     return [p for p in found if p is not None]
 
@@ -607,10 +640,11 @@ def run_one(case: Case, platform: str = "cpu") -> tuple[list[str], dict[str, flo
     start = time.perf_counter()
     got = run_case(case, platform)
     ran = time.perf_counter()
-    problems = check_case(case, got)
+    rank = None if PROCESS is None else PROCESS[0]
+    problems = check_case(case, got, rank)
     checked = time.perf_counter()
     if case.rerun:
-        problems += determinism_mismatch(case, got, run_case(case, platform))
+        problems += determinism_mismatch(case, got, run_case(case, platform), rank)
     return problems, dict(jax_s=ran - start, check_s=checked - ran, rerun_s=time.perf_counter() - checked)
 
 
@@ -662,6 +696,20 @@ def source_version() -> dict[str, Any]:
     )
 
 
+def _all_go_on(n: int, mine: bool) -> bool:
+    """Whether to start case ``n``: this process's answer, or over several processes process 0's (each case is
+    a collective, so every process must run the same cases)."""
+    if PROCESS is None:
+        return mine
+    from jax._src import distributed  # its key-value client; jax has no public one
+
+    key = f"jax_ep_fuzz/case/{n}"
+    if PROCESS[0] == 0:
+        distributed.global_state.client.key_value_set(key, "1" if mine else "0")
+        return mine
+    return distributed.global_state.client.blocking_key_value_get(key, 600_000) == "1"
+
+
 def campaign(
     seed: int,
     cases: int,
@@ -682,7 +730,7 @@ def campaign(
     if platform == "gpu" and backend != "xla":
         if len(ranks) != 1:
             raise ValueError("--platform gpu with backend cuda runs one R per campaign (one jax_ep group)")
-        jax_ep.initialize(gpu_mesh(ranks[0]), AXIS, **MAX_BUCKET, dtype=jnp.float32)
+        jax_ep.initialize(ep_mesh(ranks[0], platform), AXIS, **MAX_BUCKET, dtype=jnp.float32)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     mismatches = []
     bucket_seeds: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
@@ -692,7 +740,7 @@ def campaign(
     start = last = time.perf_counter()
     run = 0
     for n, case_seed in enumerate(seeds, 1):
-        if budget_s is not None and time.perf_counter() - start > budget_s:
+        if not _all_go_on(n, budget_s is None or time.perf_counter() - start <= budget_s):
             log(f"[fuzz] time budget of {budget_s} s spent after {n - 1} of {len(seeds)} cases")
             break
         run = n
@@ -817,6 +865,74 @@ def replay(case_seed: int, backend: str, platform: str = "cpu") -> int:
     return 1 if problems else 0
 
 
+def in_processes(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """--processes N: R = N ranks as N processes (jax.distributed on localhost), one rank each: on the GPU all
+    on GPU 0, storing into each other's buffers through CUDA IPC; on the CPU one device each (gloo). Each runs
+    the same campaign and checks its own rank's outputs. One report: the cases, and every mismatch with the
+    process that saw it."""
+    import tempfile
+    from pathlib import Path
+
+    from jax_ep.bench.multiprocess import run_workers
+
+    folder = Path(tempfile.mkdtemp(prefix="jax_ep_fuzz_"))
+    worker = [sys.executable, os.path.abspath(__file__), "--cases", str(args.cases), "--seed", str(args.seed)]
+    count = args.processes
+    worker += ["--ranks", str(count), "--buckets", str(args.buckets), "--backend", args.backend]
+    worker += ["--platform", args.platform, "--progress", str(args.progress), "--processes", str(count)]
+    worker += [] if args.budget_s is None else ["--budget-s", str(args.budget_s)]
+    logs = [folder / f"process_{i}.log" for i in range(count)]
+    timeout = 3600.0 if args.budget_s is None else args.budget_s + 600.0
+    codes = run_workers(
+        lambda port, i: [*worker, "--worker", f"{port},{i}", "--out", str(folder / f"process_{i}.json")],
+        count,
+        timeout,
+        logs=logs,
+    )
+    reports = []
+    for i in range(count):
+        path = folder / f"process_{i}.json"
+        if codes is None or not path.exists():
+            tail = logs[i].read_text()[-3000:] if logs[i].exists() else ""
+            raise RuntimeError(f"fuzz process {i} of {count} left no report (exit codes {codes}):\n{tail}")
+        with open(path) as f:
+            reports.append(json.load(f))
+    report = dict(reports[0])
+    where = "all on GPU 0" if args.platform == "gpu" else "one CPU device each"
+    report["processes"] = f"{count}, {where}, one rank each; each checks its own rank's outputs"
+    report["mismatches"] = [dict(m, process=i) for i, r in enumerate(reports) for m in r["mismatches"]]
+    report["mismatching_cases"] = len({m["seed"] for m in report["mismatches"]})
+    report["per_process"] = [
+        dict(cases=r["cases"], mismatching_cases=r["mismatching_cases"], time=r["time"]) for r in reports
+    ]
+    report["command"] = command
+    return report
+
+
+def work_in_process(args: argparse.Namespace) -> None:
+    """--worker PORT,INDEX (set by --processes): join the others; on the GPU, this process's device is GPU 0."""
+    global PROCESS
+    port, index = (int(v) for v in args.worker.split(","))
+    if args.platform == "gpu":
+        jax.distributed.initialize(f"localhost:{port}", args.processes, index, local_device_ids=[0])
+    else:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{port}", args.processes, index)
+    PROCESS = (index, args.processes)
+
+
+def leave_together(code: int) -> None:
+    """The end of a --worker: free the group together, then exit without jax.distributed's shutdown handshake;
+    process 0 hosts the coordination service, so it goes last."""
+    from jax._src import distributed
+
+    jax_ep.finalize()
+    distributed.global_state.client.wait_at_barrier("jax_ep_fuzz/exit", 120_000)
+    if PROCESS[0] == 0:
+        time.sleep(2)
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=200, help="cases in all, spread over --ranks in turn")
@@ -830,6 +946,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=int, metavar="SEED", help="rerun the one case of this case seed")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these reports into --out")
     parser.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines")
+    parser.add_argument("--processes", type=int, help="R as this many processes, one rank each (GPU: all on GPU 0)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # PORT,INDEX: one process of --processes
     args = parser.parse_args(argv)
     command = "python " + shlex.join(["tests/fuzz.py", *(sys.argv[1:] if argv is None else argv)])
 
@@ -842,7 +960,13 @@ def main(argv: list[str] | None = None) -> int:
         report["merge_command"] = command
     elif args.replay is not None:
         return replay(args.replay, args.backend, args.platform)
+    elif args.processes and not args.worker:
+        if args.processes < 2:
+            parser.error("--processes: at least 2")
+        report = in_processes(args, command)
     else:
+        if args.worker:
+            work_in_process(args)
         ranks = [int(r) for r in args.ranks.split(",")]
         if any(r < 1 or r > 8 for r in ranks):
             parser.error("--ranks: each R must be in 1..8 (8 simulated devices)")
@@ -871,7 +995,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(dumps(report))
         print(f"[fuzz] wrote {args.out}")
-    return 1 if report["mismatching_cases"] else 0
+    code = 1 if report["mismatching_cases"] else 0
+    if args.worker:
+        leave_together(code)
+    return code
 
 
 if __name__ == "__main__":

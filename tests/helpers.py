@@ -21,14 +21,17 @@ AXIS = "ep"
 INVALID_IDS = (-7, -2, 2**31 - 1, -(2**31))  # never -1 nor a valid id
 
 
-def ep_jit(fn: Callable[..., Any], num_ranks: int, platform: str = "cpu") -> Callable[..., Any]:
+def ep_jit(
+    fn: Callable[..., Any], num_ranks: int, platform: str = "cpu", mesh: jax.sharding.Mesh | None = None
+) -> Callable[..., Any]:
     """``fn`` run on each rank of an "ep" axis of ``num_ranks`` CPU devices (or the first GPUs), jitted once.
 
     Every argument leaf (arguments may be pytrees, such as a Dispatched) and every output leaf has a
     leading rank axis (per-rank scalars come back as ``[R]``). The returned callable can be traced
-    again (``jax.grad``, ``check_grads``).
+    again (``jax.grad``, ``check_grads``). ``mesh`` replaces those devices.
     """
-    mesh = cpu_mesh((num_ranks,), (AXIS,)) if platform == "cpu" else gpu_mesh(num_ranks)
+    if mesh is None:
+        mesh = cpu_mesh((num_ranks,), (AXIS,)) if platform == "cpu" else gpu_mesh(num_ranks)
 
     def body(*args):
         out = fn(*jax.tree.map(lambda a: a[0], args))

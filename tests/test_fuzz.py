@@ -6,6 +6,10 @@ is ``python tests/fuzz.py --cases 10000`` (bench/results/reliability_fuzz_cpu.js
 """
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import fuzz
 import jax.numpy as jnp
@@ -55,6 +59,20 @@ def test_seeds_do_not_depend_on_the_split():
     for seed in whole:
         assert fuzz.encode_seed(*fuzz.decode_seed(seed)) == seed
     assert fuzz.decode_seed(fuzz.encode_seed(1, 8, 3, 17)) == (1, 8, 3, 17)
+
+
+def test_two_processes_each_check_their_own_rank(tmp_path):
+    """--processes 2: R=2 as two jax.distributed processes (here one CPU device each, gloo); both run the same
+    cases, each checks its own rank's outputs against the reference, and one report joins them."""
+    out = tmp_path / "two.json"
+    command = [sys.executable, str(Path(fuzz.__file__)), "--processes", "2", "--cases", "4", "--buckets", "2"]
+    done = subprocess.run([*command, "--seed", "5", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cases"] == 4 and report["mismatching_cases"] == 0 and report["mismatches"] == []
+    assert [p["cases"] for p in report["per_process"]] == [4, 4]
+    assert report["counts"]["by_ranks"] == {"2": 4}
+    assert report["processes"].startswith("2, one CPU device each")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
