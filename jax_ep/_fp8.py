@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _division
+
 BLOCK = 128  # values per scale
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 WIRE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
@@ -49,12 +51,10 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     zero = amax == 0
-    # A division of two arrays: XLA turns a division by a constant into a multiplication by its reciprocal,
-    # which is not the correctly rounded amax / 448 that the contract (and the NumPy oracle) computes.
-    scale = jnp.where(zero, jnp.float32(1), amax) / jnp.where(zero, jnp.float32(1), jnp.float32(E4M3_MAX))
-    # Nor may the divisor be a broadcast, which XLA also turns into a multiplication by a reciprocal: adding
-    # 0 * blocks keeps each division exact for finite values (a block with inf or NaN has amax inf or NaN).
-    q = to_e4m3_bits(blocks / (scale[..., None] + blocks * 0))
+    # Both divisions correctly rounded, as the contract (and the NumPy oracle) computes them: XLA's own are not
+    # on GPUs, and XLA turns divisions by constants and broadcasts into multiplications by reciprocals.
+    scale = jnp.where(zero, jnp.float32(1), _division.divide(amax, jnp.float32(E4M3_MAX)))
+    q = to_e4m3_bits(_division.divide(blocks, scale[..., None]))
     return q.reshape(x.shape), scale
 
 
