@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ULPS = 3  # steps of one ulp: XLA's quotient is within 2 ulps (div.full.f32; a reciprocal and a multiply)
+ULPS = 3  # how far XLA's quotient may be: div.full.f32 is within 2 ulps, a reciprocal times a value about as close
 
 
 def _u32(value: int) -> jax.Array:
@@ -70,24 +70,33 @@ def _compare(a: jax.Array, b: jax.Array, low: jax.Array, high: jax.Array) -> jax
 @jax.jit
 def divide_from(a: jax.Array, b: jax.Array, quotient: jax.Array) -> jax.Array:
     """The correctly rounded a / b, from ``quotient`` within ULPS ulps of it (the result is ``quotient``
-    where a, b or the result is not finite, or a or b is 0)."""
+    where a, b or the result is not finite, or a or b is 0).
+
+    A binary search over the 2 * ULPS + 1 candidates: each step compares a / b with the midpoint between two
+    neighbouring candidates (3 comparisons for ULPS = 3); a quotient exactly on a midpoint takes the even one.
+    """
     a, b, quotient = jnp.broadcast_arrays(a, b, quotient)
     bits_a, bits_b, bits_q = (jax.lax.bitcast_convert_type(v, jnp.uint32) for v in (a, b, quotient))
     magnitude = _u32(0x7FFFFFFF)
-    abs_a, abs_b, c = bits_a & magnitude, bits_b & magnitude, bits_q & magnitude
+    abs_a, abs_b, q = bits_a & magnitude, bits_b & magnitude, bits_q & magnitude
     infinity = _u32(0x7F800000)
-    finite = (abs_a < infinity) & (abs_b < infinity) & (abs_a != 0) & (abs_b != 0) & (c < infinity)
-    abs_a, abs_b = jnp.where(finite, abs_a, _u32(0x3F800000)), jnp.where(finite, abs_b, _u32(0x3F800000))
-    c = jnp.where(finite, c, _u32(0x3F800000))
-    for _ in range(ULPS):  # one ulp a step: up to the upper neighbour, or down to the lower one
-        up, down = c + 1, jnp.maximum(c, _u32(1)) - 1
-        above = _compare(abs_a, abs_b, c, jnp.minimum(up, infinity - 1))
-        below = _compare(abs_a, abs_b, down, c)
-        move_up = (up < infinity) & ((above > 0) | ((above == 0) & (up % 2 == 0)))
-        move_down = ~move_up & (down < c) & ((below < 0) | ((below == 0) & (down % 2 == 0)))
-        c = jnp.where(move_up, up, jnp.where(move_down, down, c))
+    finite = (abs_a < infinity) & (abs_b < infinity) & (abs_a != 0) & (abs_b != 0) & (q < infinity)
+    one = _u32(0x3F800000)
+    abs_a, abs_b, q = (jnp.where(finite, v, one).astype(jnp.int32) for v in (abs_a, abs_b, q))
+
+    def candidate(k: jax.Array) -> jax.Array:  # the bits of q moved by k ulps, kept finite and >= 0
+        return jnp.clip(q + k, 0, 0x7F7FFFFF).astype(jnp.uint32)
+
+    lo, hi = jnp.full_like(q, -ULPS), jnp.full_like(q, ULPS)
+    for _ in range((2 * ULPS).bit_length()):
+        j = (lo + hi) >> 1  # compare with the midpoint between candidates j and j + 1
+        order = _compare(abs_a.astype(jnp.uint32), abs_b.astype(jnp.uint32), candidate(j), candidate(j + 1))
+        tie = jnp.where(candidate(j + 1) % 2 == 0, j + 1, j)
+        open_ = lo < hi
+        lo = jnp.where(open_ & (order > 0), j + 1, jnp.where(open_ & (order == 0), tie, lo))
+        hi = jnp.where(open_ & (order < 0), j, jnp.where(open_ & (order == 0), tie, hi))
     sign = (bits_a ^ bits_b) & _u32(0x80000000)
-    corrected = jax.lax.bitcast_convert_type(c | sign, jnp.float32)
+    corrected = jax.lax.bitcast_convert_type(candidate(lo) | sign, jnp.float32)
     return jnp.where(finite, corrected, quotient)
 
 
