@@ -37,6 +37,11 @@ def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
     for key in ("dispatch_us", "combine_us", "dispatch_gbps"):
         assert training[key] > 0, key
     assert not {"routing_only_us", "local_layout_us"} & set(training)  # no layout-only step any more
+    fp8 = result["training"]["fp8"]  # H=128: 128 e4m3 bytes and one float32 scale, padded to 144
+    assert fp8["row_bytes_bfloat16"] == 256 and fp8["row_bytes_fp8"] == 144
+    assert fp8["remote_bytes_per_rank"] * 256 == fp8["remote_bytes_per_rank_bfloat16"] * 144
+    assert fp8["remote_bytes_per_rank_bfloat16"] == result["training"]["remote_bytes_per_rank"] > 0
+    assert fp8["xla"]["dispatch_us"] > 0 and fp8["xla"]["dispatch_gbps"] > 0
     assert result["decode"]["xla"]["dispatch_us"] > 0
     assert [(p["tokens"], p["hidden"]) for p in result["sweep"]] == [(16, 64), (32, 64), (16, 128), (32, 128)]
     assert all(p["xla"]["combine_us"] > 0 for p in result["sweep"])

@@ -47,6 +47,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the ragged children share the GPUs with us
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all  # noqa: E402
@@ -104,6 +105,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ragged-flag", choices=("true", "false"), help=argparse.SUPPRESS)
     parser.add_argument("--ragged-tokens", help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
+    """Bytes on the wire of dispatch's rows in bfloat16 and as FP8 (e4m3 values and one float32 scale per 128,
+    padded to 16 bytes: jax_ep._fp8), per row and for this rank's remote rows."""
+    from jax_ep import _fp8
+
+    rows = remote_bf16 // (hidden * 2)
+    packed = _fp8.packed_width(hidden)
+    return {
+        "row_bytes_bfloat16": hidden * 2,
+        "row_bytes_fp8": packed,
+        "remote_bytes_per_rank": rows * packed,
+        "remote_bytes_per_rank_bfloat16": remote_bf16,
+    }
 
 
 def ints(text: str) -> list[int]:
@@ -176,6 +192,13 @@ def main() -> None:
                 timings = time_backend(backend, x, idx, w, iters=args.iters)
                 training[backend] = with_rates(timings, remote, copy_us)
                 progress(f"  {backend}: {training[backend]}")
+            if args.hidden % 128 == 0:  # dispatch with FP8 rows: the same tokens, fewer bytes
+                wire = fp8_wire_bytes(args.hidden, remote)
+                training["fp8"] = wire
+                for backend in backends:
+                    timings = time_backend(backend, x, idx, w, wire_dtype=jnp.float8_e4m3fn, iters=args.iters)
+                    training["fp8"][backend] = with_rates(timings, wire["remote_bytes_per_rank"], copy_us)
+                    progress(f"  {backend}, FP8 rows: {training['fp8'][backend]}")
             payload["training"] = training
         if "sms" in suites and "cuda" in backends:
             progress(f"SM budget at the training shape, of {all_sms} SMs per GPU")
@@ -291,6 +314,15 @@ def summary(payload: dict) -> None:
                     f"{backend:6} dispatch {r['dispatch_us']:8.1f} us ({r['dispatch_pct_of_copy']:5.1f}% of copy)"
                     f"  combine {r['combine_us']:8.1f} us ({r['combine_pct_of_copy']:5.1f}% of copy)"
                 )
+        fp8 = training.get("fp8")
+        if fp8:
+            print(
+                f"FP8 rows: {fp8['row_bytes_fp8']} bytes each against {fp8['row_bytes_bfloat16']} in bfloat16, "
+                f"{fp8['remote_bytes_per_rank'] / 1e6:.1f} MB remote per rank"
+            )
+            for backend in ("cuda", "xla"):
+                if backend in fp8:
+                    print(f"{backend:6} dispatch with FP8 rows {fp8[backend]['dispatch_us']:8.1f} us")
     for run in payload.get("sms", {}).get("runs", []):
         print(f"num_sms={run['num_sms']:4}: dispatch {run['dispatch_us']:8.1f} us  combine {run['combine_us']:8.1f} us")
     decode = payload.get("decode", {})

@@ -95,10 +95,12 @@ def time_backend(
     layout="ragged",
     capacity=None,
     partial_dtype=None,
+    wire_dtype=None,
     iters=20,
     adaptive=True,
 ) -> dict:
-    """Device µs of one dispatch and of one combine (``weights=d.weights``, ``partial_dtype``) of a backend.
+    """Device µs of one dispatch (rows sent as ``wire_dtype``) and of one combine (``weights=d.weights``,
+    ``partial_dtype``) of a backend.
 
     The routing shifts by the iteration index (``(idx + i) % E``, still distinct experts per token), so
     nothing is loop-invariant. The dispatch step reads one row of ``d.x`` and ``d.weights``; the combine step
@@ -108,6 +110,7 @@ def time_backend(
     ranks = jax.sharding.get_abstract_mesh().shape["ep"]
     t = x.shape[0] // ranks
     kw = dict(num_experts=EXPERTS, axis_name="ep", layout=layout, capacity=capacity, backend=backend)
+    kw["wire_dtype"] = wire_dtype
 
     def dispatch(i, x, idx, w):
         return jax_ep.dispatch(x, (idx + i) % EXPERTS, w, **kw)
