@@ -72,6 +72,27 @@ def probe() -> None:
     print("probe done", flush=True)
 
 
+def reports(output: str, most: int = 20) -> list[dict]:
+    """compute-sanitizer's reports, by their first line: how many, and where the first one of each was
+    (its first indented "at ..." line), so that a run cut short still says what it found."""
+    found: dict[str, dict] = {}
+    last = None
+    for line in output.splitlines():
+        if not line.startswith("========= "):
+            continue
+        text = line[len("========= ") :]
+        if text and not text[0].isspace():
+            if text.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY")):
+                last = None
+                continue
+            key = re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200]
+            last = found.setdefault(key, {"report": key, "count": 0, "first_at": None})
+            last["count"] += 1
+        elif last is not None and last["first_at"] is None and text.strip().startswith("at "):
+            last["first_at"] = text.strip()[:200]
+    return sorted(found.values(), key=lambda r: -r["count"])[:most]
+
+
 def run_tool(tool: str, timeout: float) -> dict:
     command = [
         "compute-sanitizer",
@@ -102,6 +123,7 @@ def run_tool(tool: str, timeout: float) -> dict:
         "seconds": round(time.time() - start, 1),
         "errors": int(summary[-1]) if summary else None,
         "probe_finished": "probe done" in output,
+        "reports": reports(output),
         "output_tail": "\n".join(lines[-25:]),
     }
 
@@ -133,6 +155,8 @@ def main() -> None:
         clean = r["errors"] == 0 and r["exit_status"] == 0 and r["probe_finished"]
         verdict = "clean" if clean else "NOT clean"
         print(f"{tool:10s} errors {r['errors']}  exit {r['exit_status']}  {r['seconds']:6.1f} s  {verdict}")
+        for report in r["reports"]:
+            print(f"    {report['count']:5d} x {report['report']}  ({report['first_at'] or 'no device frame'})")
 
 
 if __name__ == "__main__":

@@ -226,3 +226,31 @@ def test_floors_count_hbm_bytes():
     assert floors["combine_floor_bytes"] == floors["dispatch_floor_bytes"]
     assert floors["dispatch_floor_us"] == pytest.approx(floors["dispatch_floor_bytes"] / 4e12 * 1e6)
     assert targets.role(4096) == "training" and targets.role(128) == "decode" and targets.role(64) == "tokens_64"
+
+
+def test_sanitizer_reports_are_counted_by_their_first_line():
+    """bench/sanitize.py keeps each kind of report and where it was seen first, even from a cut-short run."""
+    output = "\n".join(
+        [
+            "========= COMPUTE-SANITIZER",
+            "========= Uninitialized __global__ memory read of size 4 bytes",
+            "=========     at jax_ep::DispatchKernel(jax_ep::Params)+0x1a0 in dispatch.cu:120",
+            "=========     by thread (3,0,0) in block (0,0,0)",
+            "=========     Host Frame: PjitFunction::Call [0x7c2fee8] in libjax_common.so",
+            "probe ragged float32 H=256 capacity=None: cuda matches xla",
+            "========= Uninitialized __global__ memory read of size 4 bytes",
+            "=========     at jax_ep::DispatchKernel(jax_ep::Params)+0x1b0 in dispatch.cu:121",
+            "========= Host API memory access error at 0x7f00 in cudaMemcpyAsync",
+            "=========     Host Frame: x",
+            "========= ERROR SUMMARY: 3 errors",
+        ]
+    )
+    found = _script("sanitize").reports(output)
+    assert found == [
+        {
+            "report": "Uninitialized __global__ memory read of size 4 bytes",
+            "count": 2,
+            "first_at": "at jax_ep::DispatchKernel(jax_ep::Params)+0x1a0 in dispatch.cu:120",
+        },
+        {"report": "Host API memory access error at 0x… in cudaMemcpyAsync", "count": 1, "first_at": None},
+    ]
