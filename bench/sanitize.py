@@ -8,8 +8,8 @@ combine, combine's backward) for both layouts, float32 and bfloat16, H aligned (
 alignment padding, drops (a small capacity), invalid ids and -1 slots, then checks each result against backend
 "xla" so that a sanitizer run which changed the results fails too. Each tool checks only kernels whose name holds
 ``jax_ep`` (``--kernel-name kns=jax_ep``): XLA's own kernels are not ours to fix, and checking them takes most
-of the time. OUT.json records, per tool: the command, its exit status, the sanitizer's error summary and the
-tail of its output.
+of the time. OUT.json records, per tool: the command, its exit status, the sanitizer's error summary, each kind
+of report it printed (its first line, how many, where the first was) and the tail of its output.
 """
 
 from __future__ import annotations
