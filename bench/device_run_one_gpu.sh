@@ -66,7 +66,7 @@ echo "built: ${names[*]}"
 
 cd /tmp || exit 1  # not the repository root, whose jax_ep/ has no extension
 gpu_test_files=()  # those of this tree (test_cuda_layout.py is gone in later versions)
-for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py; do
+for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py test_division.py; do
   [ -f "$repo/tests/$name" ] && gpu_test_files+=("$repo/tests/$name")
 done
 if [ "$stage" = tests ]; then
@@ -118,7 +118,7 @@ if [ "$stage" = all ]; then
   export PYTHONPATH=$builds/current
   echo "[${SECONDS} s] built; commit ${JAX_EP_COMMIT:-unknown}; $(nvidia-smi --query-gpu=name --format=csv,noheader \
     2>/dev/null | head -1)" | tee "$log"
-  test_names=()  # the brief's two files: the layout tests belong to older versions
+  test_names=()  # the layout tests belong to older versions
   for file in "${gpu_test_files[@]}"; do
     [ "$(basename "$file")" = test_cuda_layout.py ] || test_names+=("tests/$(basename "$file")")
   done

@@ -7,6 +7,7 @@ handed to divide_from are the exact ones moved by -3..3 ulps, so the correction 
 import jax
 import numpy as np
 import pytest
+from gpu import gpu_devices
 from helpers import assert_bits_equal
 
 from jax_ep import _division
@@ -66,3 +67,19 @@ def test_divide_is_numpy_division_and_leaves_special_values():
     with np.errstate(all="ignore"):
         assert_bits_equal(np.asarray(_division.divide(special, by)), special / by)
     assert_bits_equal(np.asarray(jax.jit(_division.divide)(a[:5], np.float32(448))), a[:5] / np.float32(448))
+
+
+@pytest.mark.skipif(not gpu_devices(), reason="needs an NVIDIA GPU: XLA's own division there is approximate")
+def test_divide_on_the_gpu_is_numpy_division():
+    """On a GPU, XLA's float32 quotient is up to 2 ulps off (div.full.f32); divide's is NumPy's, bit for bit,
+    and so are FP8's scales and quotients there."""
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal(1 << 20).astype(np.float32), rng.standard_normal(1 << 20).astype(np.float32)
+    gpu = gpu_devices()[0]
+    a_gpu, b_gpu = jax.device_put(a, gpu), jax.device_put(b, gpu)
+    raw = np.asarray(jax.jit(lambda a, b: a / b)(a_gpu, b_gpu))
+    assert_bits_equal(np.asarray(_division.divide(a_gpu, b_gpu)), a / b)
+    print(f"XLA's own quotient differs from NumPy's in {int((raw != a / b).sum())} of {a.size}")
+    scale = (np.abs(b[:4096]) + 0.01).astype(np.float32)
+    got = np.asarray(_division.divide(jax.device_put(scale, gpu), np.float32(448)))
+    assert_bits_equal(got, (scale / np.float32(448)).astype(np.float32))
