@@ -39,11 +39,12 @@ def _shift_left(hi: jax.Array, lo: jax.Array, n: jax.Array) -> tuple[jax.Array, 
     return jnp.where(small, (hi << m) | carried, lo << m), jnp.where(small, lo << m, _u32(0))
 
 
-def _compare(a: jax.Array, b: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
-    """sign(a - b * (low + high) / 2) for positive finite a and b and adjacent floats 0 <= low < high, all
-    given by their bits (integers throughout: no flushing of subnormals)."""
-    sig_a, exp_a = _parts(a)
-    sig_b, exp_b = _parts(b)
+def _compare(
+    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], low: jax.Array, high: jax.Array
+) -> jax.Array:
+    """sign(a - b * (low + high) / 2) for positive finite a and b, given by their _parts, and adjacent floats
+    0 <= low < high, given by their bits (integers throughout: no flushing of subnormals)."""
+    (sig_a, exp_a), (sig_b, exp_b) = a, b
     sig_l, exp_l = _parts(low)
     sig_h, exp_h = _parts(high)
     # The midpoint is M * 2**(exp_l - 1): high's exponent is exp_l or exp_l + 1.
@@ -82,7 +83,8 @@ def divide_from(a: jax.Array, b: jax.Array, quotient: jax.Array) -> jax.Array:
     infinity = _u32(0x7F800000)
     finite = (abs_a < infinity) & (abs_b < infinity) & (abs_a != 0) & (abs_b != 0) & (q < infinity)
     one = _u32(0x3F800000)
-    abs_a, abs_b, q = (jnp.where(finite, v, one).astype(jnp.int32) for v in (abs_a, abs_b, q))
+    parts_a, parts_b = (_parts(jnp.where(finite, v, one)) for v in (abs_a, abs_b))
+    q = jnp.where(finite, q, one).astype(jnp.int32)
 
     def candidate(k: jax.Array) -> jax.Array:  # the bits of q moved by k ulps, kept finite and >= 0
         return jnp.clip(q + k, 0, 0x7F7FFFFF).astype(jnp.uint32)
@@ -90,8 +92,9 @@ def divide_from(a: jax.Array, b: jax.Array, quotient: jax.Array) -> jax.Array:
     lo, hi = jnp.full_like(q, -ULPS), jnp.full_like(q, ULPS)
     for _ in range((2 * ULPS).bit_length()):
         j = (lo + hi) >> 1  # compare with the midpoint between candidates j and j + 1
-        order = _compare(abs_a.astype(jnp.uint32), abs_b.astype(jnp.uint32), candidate(j), candidate(j + 1))
-        tie = jnp.where(candidate(j + 1) % 2 == 0, j + 1, j)
+        below, above = candidate(j), candidate(j + 1)
+        order = _compare(parts_a, parts_b, below, above)
+        tie = jnp.where(above % 2 == 0, j + 1, j)
         open_ = lo < hi
         lo = jnp.where(open_ & (order > 0), j + 1, jnp.where(open_ & (order == 0), tie, lo))
         hi = jnp.where(open_ & (order < 0), j, jnp.where(open_ & (order == 0), tie, hi))
