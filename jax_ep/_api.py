@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Hashable
 from typing import Any
 
@@ -79,6 +80,17 @@ def dispatch(
     Returns:
       A :class:`Dispatched`; see its docstring for shapes.
     """
+    config = _dispatch_config(
+        x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+    )
+    with jax.named_scope("jax_ep.dispatch"):
+        return _dispatch(config, x, topk_idx, topk_weights)
+
+
+def _dispatch_config(
+    x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+) -> Config:
+    """The checked arguments of a dispatch (or dispatch_start) as its static Config."""
     check_array("x", x, ndim=2, kind="floating")
     num_tokens, hidden = x.shape
     check_array("topk_idx", topk_idx, ndim=2, dtype=jnp.int32, leading=(num_tokens,))
@@ -109,7 +121,7 @@ def dispatch(
     # starts that stay small.
     expert_alignment = min(expert_alignment, capacity)
     resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
-    config = Config(
+    return Config(
         axis_name=axis_name,
         num_ranks=num_ranks,
         num_experts=num_experts,
@@ -122,8 +134,6 @@ def dispatch(
         group=group,
         wire_dtype=None if wire is None else wire.name,
     )
-    with jax.named_scope("jax_ep.dispatch"):
-        return _dispatch(config, x, topk_idx, topk_weights)
 
 
 def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None) -> jax.Array:
@@ -149,26 +159,34 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, p
     Returns:
       ``[T, H]`` in the dtype of ``y``.
     """
+    partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
+    with jax.named_scope("jax_ep.combine"):
+        return _combine(partial, y, handle, weights)
+
+
+def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
+    """Checks combine's (or combine_start's) arguments; returns the partial sums' dtype."""
     if not isinstance(handle, Handle):
         raise TypeError(f"jax_ep.combine: handle must be a jax_ep.Handle (Dispatched.handle), got {type(handle)}")
     config = handle.config
     check_array("y", y, ndim=len(config.weights_shape) + 1, kind="floating", leading=config.weights_shape)
     if weights is not None:
         check_array("weights", weights, shape=config.weights_shape, kind="floating")
-    partial = y.dtype if partial_dtype is None else check_float_dtype("partial_dtype", partial_dtype)
-    with jax.named_scope("jax_ep.combine"):
-        return _combine(partial, y, handle, weights)
+    return y.dtype if partial_dtype is None else check_float_dtype("partial_dtype", partial_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    backend = backends.module(config.backend)
+    rows = _fp8.wire_rows(x, config.wire_dtype)  # packed FP8 rows travel as bytes; the backward pass is unchanged
+    d = backends.module(config.backend).dispatch(config, rows, topk_idx, topk_weights)
+    return _unwire(config, d, x.shape[1], x.dtype)
+
+
+def _unwire(config: Config, d: Dispatched, hidden: int, dtype: Any) -> Dispatched:
+    """``d`` with its layout rows dequantized, where they travelled as FP8."""
     if config.wire_dtype is None:
-        return backend.dispatch(config, x, topk_idx, topk_weights)
-    # Packed FP8 rows travel as bytes; the receiver dequantizes them (the backward pass is unchanged).
-    d = backend.dispatch(config, _fp8.pack(x), topk_idx, topk_weights)
-    hidden = x.shape[1]
-    rows = _fp8.unpack(d.x.reshape(config.num_rows, -1), hidden, x.dtype)
+        return d
+    rows = _fp8.unpack(d.x.reshape(config.num_rows, -1), hidden, dtype)
     return dataclasses.replace(d, x=rows.reshape(config.layout_shape(hidden)))
 
 
@@ -189,8 +207,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _combine(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
-    rows = y.reshape(handle.config.num_rows, -1)
-    flat_weights = None if weights is None else weights.reshape(-1)
+    rows, flat_weights = _combine_rows(y, handle, weights)
     return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype)[0]
 
 
@@ -211,12 +228,23 @@ def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *
     """The first half of :func:`dispatch` (same arguments): its result goes to :func:`dispatch_finish`.
 
     ``dispatch_finish(dispatch_start(...))`` equals ``dispatch(...)`` bit for bit, gradients included, and
-    XLA may schedule computation that does not depend on the dispatch between the two. In this version both
-    backends run the whole exchange in ``dispatch_start`` (the xla backend's collectives are scheduled by XLA
-    as always; the cuda kernels are not split yet), so nothing overlaps the exchange itself; see
-    docs/guide.md.
+    XLA may schedule computation that does not depend on the dispatch between the two. On the cuda backend
+    the start routes and sends, and the finish waits for the peers and receives; between the two the EP group
+    must run no other jax_ep op (the kernels fail the call otherwise). On the xla backend the finish runs the
+    whole exchange, which XLA schedules as it always does. See docs/guide.md.
     """
-    return PendingDispatch(dispatch(x, topk_idx, topk_weights, **kwargs))
+    config = _dispatch_config(x, topk_idx, topk_weights, **_dispatch_keywords(kwargs))
+    x_type = (x.shape[1], jnp.dtype(x.dtype))
+    with jax.named_scope("jax_ep.dispatch_start"):
+        started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
+    return PendingDispatch(started, config, x_type)
+
+
+def _dispatch_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """dispatch's keyword arguments, defaults filled in (a TypeError names a missing or unknown one)."""
+    bound = inspect.signature(dispatch).bind(None, None, None, **kwargs)
+    bound.apply_defaults()
+    return {name: value for name, value in bound.arguments.items() if name not in ("x", "topk_idx", "topk_weights")}
 
 
 def dispatch_finish(pending: PendingDispatch) -> Dispatched:
@@ -225,7 +253,8 @@ def dispatch_finish(pending: PendingDispatch) -> Dispatched:
         raise TypeError(
             f"jax_ep.dispatch_finish: expected what jax_ep.dispatch_start returned, got {type(pending).__name__}"
         )
-    return pending.dispatched
+    with jax.named_scope("jax_ep.dispatch_finish"):
+        return _dispatch_finish(pending.config, pending.x_type, pending.started)
 
 
 def combine_start(
@@ -233,10 +262,13 @@ def combine_start(
 ) -> PendingCombine:
     """The first half of :func:`combine` (same arguments): its result goes to :func:`combine_finish`.
 
-    ``combine_finish(combine_start(...))`` equals ``combine(...)`` bit for bit, gradients included; as for
-    :func:`dispatch_start`, this version runs the whole exchange in the start op.
+    ``combine_finish(combine_start(...))`` equals ``combine(...)`` bit for bit, gradients included; the
+    halves split as :func:`dispatch_start`'s do.
     """
-    return PendingCombine(combine(y, handle, weights=weights, partial_dtype=partial_dtype))
+    partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
+    with jax.named_scope("jax_ep.combine_start"):
+        started = _combine_start(partial, y, handle, weights)
+    return PendingCombine(y, handle, weights, started, partial)
 
 
 def combine_finish(pending: PendingCombine) -> jax.Array:
@@ -245,4 +277,92 @@ def combine_finish(pending: PendingCombine) -> jax.Array:
         raise TypeError(
             f"jax_ep.combine_finish: expected what jax_ep.combine_start returned, got {type(pending).__name__}"
         )
-    return pending.out
+    q = pending
+    with jax.named_scope("jax_ep.combine_finish"):
+        return _combine_finish(q.partial_dtype, q.y, q.handle, q.weights, q.started)
+
+
+# The split ops' custom VJPs. The backward pass of each finish starts the backward exchange and the backward
+# pass of its start finishes it; the cotangent of `started` carries what the second needs from the first. A
+# dispatch's finish takes only `started`, so the cotangents of x and topk_weights come from the start, as from
+# a whole dispatch, and add up with x's other uses in the same order.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_start(config: Config, x_type: tuple, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array):
+    return backends.module(config.backend).dispatch_start(config, x, topk_idx, topk_weights)
+
+
+def _dispatch_start_fwd(config, x_type, x, topk_idx, topk_weights):
+    started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
+    return started, started
+
+
+def _dispatch_start_bwd(config, x_type, started, dstarted):
+    dx, dweights = backends.module(config.backend).dispatch_start_backward(config, started, dstarted, *x_type)
+    return dx, None, dweights
+
+
+_dispatch_start.defvjp(_dispatch_start_fwd, _dispatch_start_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dispatch_finish(config: Config, x_type: tuple, started: tuple) -> Dispatched:
+    return _unwire(config, backends.module(config.backend).dispatch_finish(config, started), *x_type)
+
+
+def _dispatch_finish_fwd(config, x_type, started):
+    result = _dispatch_finish(config, x_type, started)
+    return result, result.handle
+
+
+def _dispatch_finish_bwd(config, x_type, handle, cotangent):
+    rows_ct = cotangent.x.reshape(config.num_rows, -1)
+    backend = backends.module(config.backend)
+    return (backend.dispatch_finish_backward(handle, rows_ct, cotangent.weights.reshape(-1)),)
+
+
+_dispatch_finish.defvjp(_dispatch_finish_fwd, _dispatch_finish_bwd)
+
+
+def _combine_rows(y: jax.Array, handle: Handle, weights: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    return y.reshape(handle.config.num_rows, -1), None if weights is None else weights.reshape(-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_start(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> tuple:
+    rows, flat_weights = _combine_rows(y, handle, weights)
+    return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype)
+
+
+def _combine_start_fwd(partial_dtype, y, handle, weights):
+    return _combine_start(partial_dtype, y, handle, weights), (y, handle, weights)
+
+
+def _combine_start_bwd(partial_dtype, residuals, dstarted):
+    y, handle, weights = residuals
+    dy, dweights = backends.module(handle.config.backend).combine_start_backward(handle, y, weights, dstarted)
+    return dy, None, dweights
+
+
+_combine_start.defvjp(_combine_start_fwd, _combine_start_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine_finish(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None, started: tuple):
+    rows, flat_weights = _combine_rows(y, handle, weights)
+    return backends.module(handle.config.backend).combine_finish(handle, rows, flat_weights, partial_dtype, started)
+
+
+def _combine_finish_fwd(partial_dtype, y, handle, weights, started):
+    return _combine_finish(partial_dtype, y, handle, weights, started), (y, handle, weights)
+
+
+def _combine_finish_bwd(partial_dtype, residuals, cotangent):
+    y, handle, weights = residuals
+    backend = backends.module(handle.config.backend)
+    dy, dweights, dstarted = backend.combine_finish_backward(handle, cotangent, y, weights)
+    return dy, None, dweights, dstarted
+
+
+_combine_finish.defvjp(_combine_finish_fwd, _combine_finish_bwd)

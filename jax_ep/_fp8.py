@@ -111,3 +111,8 @@ def unpack(rows: jax.Array, hidden: int, dtype: Any) -> jax.Array:
     q = rows[:, :hidden]
     scale_bytes = rows[:, hidden : hidden + 4 * (hidden // BLOCK)].reshape(rows.shape[0], hidden // BLOCK, 4)
     return dequantize(q, jax.lax.bitcast_convert_type(scale_bytes, jnp.float32), dtype)
+
+
+def wire_rows(x: jax.Array, wire_dtype: str | None) -> jax.Array:
+    """The rows of a dispatch as they travel: ``x``, or its packed FP8 rows (``wire_dtype`` a Config's)."""
+    return x if wire_dtype is None else pack(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 
@@ -117,9 +118,15 @@ class Dispatched:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingDispatch:
-    """What :func:`jax_ep.dispatch_start` returns: pass it to :func:`jax_ep.dispatch_finish`."""
+    """What :func:`jax_ep.dispatch_start` returns: pass it to :func:`jax_ep.dispatch_finish`.
 
-    dispatched: Dispatched
+    It holds what the start produced (``started``, backend-specific arrays); on the cuda backend the start's
+    call stays open on the GPU until its finish runs.
+    """
+
+    started: tuple
+    config: Config = dataclasses.field(metadata=dict(static=True))
+    x_type: tuple = dataclasses.field(metadata=dict(static=True))  # (H, dtype) of x
 
 
 @jax.tree_util.register_dataclass
@@ -127,4 +134,8 @@ class PendingDispatch:
 class PendingCombine:
     """What :func:`jax_ep.combine_start` returns: pass it to :func:`jax_ep.combine_finish`."""
 
-    out: jax.Array
+    y: jax.Array
+    handle: Handle
+    weights: jax.Array | None
+    started: tuple
+    partial_dtype: Any = dataclasses.field(metadata=dict(static=True))

@@ -183,8 +183,9 @@ class MoE(nnx.Module):
             of 128).
           overlap: use the split ops (:func:`jax_ep.dispatch_start` /
             ``dispatch_finish``, ``combine_start`` / ``combine_finish``) and
-            compute the shared expert between a start and its finish, so XLA
-            may run it while tokens travel. Same results as without.
+            compute the shared expert between a start and its finish
+            (pinned there by ``jax.lax.optimization_barrier``), so it runs
+            while the peers' tokens travel. Same results as without.
           param_dtype: dtype of the expert weights.
           rngs: ``nnx.Rngs`` with a ``params`` stream.
         """
@@ -277,7 +278,7 @@ class MoE(nnx.Module):
                 topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
                 probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
 
-        def shared_expert():
+        def shared_expert(x):
             with jax.named_scope("shared_expert"):
                 return _mlp(x, params["shared"], jnp.matmul, self.activation)
 
@@ -294,8 +295,10 @@ class MoE(nnx.Module):
                 expert_alignment=self.expert_alignment,
                 wire_dtype=self.wire_dtype,
             )
-            if self.overlap and "shared" in params:  # between the start and the finish
-                shared = shared_expert()
+            if self.overlap and "shared" in params:
+                # Optimization barriers pin the shared expert between the start and the finish in XLA's schedule.
+                x_shared, pending = jax.lax.optimization_barrier((x, pending))
+                shared, pending = jax.lax.optimization_barrier((shared_expert(x_shared), pending))
             d = dispatch_finish(pending)
         with jax.named_scope("experts"):
             if self.layout == "ragged":
@@ -306,7 +309,7 @@ class MoE(nnx.Module):
         with jax.named_scope("combine"):
             out = combine_finish(combine_start(y, d.handle, weights=d.weights))
         if "shared" in params:
-            out = out + (shared if shared is not None else shared_expert())
+            out = out + (shared if shared is not None else shared_expert(x))
 
         with jax.named_scope("aux_loss"):
             slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)

@@ -1,6 +1,7 @@
 """A jitted training step in ``lax.scan`` under XLA command buffers: backend "cuda" against a NumPy reference.
 
     python tests/command_buffer_scan.py        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
+    JAX_EP_SCAN_SPLIT=1 python tests/command_buffer_scan.py   # with the split ops, a matmul between the halves
 
 Each step dispatches this rank's tokens with a routing that changes every step, applies an elementwise expert
 (a learned per-rank scale), combines, and updates the scale with the gradient of ``sum(c * out)``. The script
@@ -8,7 +9,8 @@ sets XLA_FLAGS so that XLA captures custom calls in command buffers (CUDA graphs
 FFI handlers run only when XLA records a graph, so they launch the calls fewer times than the calls run
 ("captured: ..."). It compares every step's loss and the final scales with ``reference_scan`` (float64 NumPy
 over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the same
-scan with two processes sharing one GPU.
+scan with two processes sharing one GPU. With JAX_EP_SCAN_SPLIT=1 each step uses the split ops, with a matmul
+``x @ m`` (added to the output) pinned between dispatch_start and dispatch_finish by optimization barriers.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 STEPS, TOKENS, HIDDEN, TOPK, EXPERTS, LR = 200, 64, 256, 4, 16, 1e-3
+SPLIT = os.environ.get("JAX_EP_SCAN_SPLIT") == "1"
+CALLS_PER_STEP = 6 if SPLIT else 3  # dispatch, combine, combine's backward pass (each in two halves when split)
 
 
 def inputs(ranks: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -41,7 +45,11 @@ def inputs(ranks: int, seed: int = 0) -> dict[str, np.ndarray]:
     w = (rng.random((ranks * TOKENS, TOPK)) + 0.1).astype(np.float32)
     c = rng.standard_normal((ranks * TOKENS, HIDDEN)).astype(np.float32)
     scale = (1 + 0.1 * rng.standard_normal((ranks, HIDDEN))).astype(np.float32)
-    return {"x": x, "idx": idx, "w": w, "c": c, "scale": scale}
+    m = (rng.standard_normal((HIDDEN, HIDDEN)) / HIDDEN).astype(np.float32) if SPLIT else np.zeros((1, 1), np.float32)
+    return {"x": x, "idx": idx, "w": w, "c": c, "scale": scale, "m": m}
+
+
+ARGS = ("x", "idx", "w", "c", "scale", "m")
 
 
 def routing_at(idx, step):
@@ -57,21 +65,28 @@ def scan_fn(backend: str):
     """The per-rank scan: returns (losses [1, STEPS], final scale [1, H]); collectives only through jax_ep."""
     import jax_ep
 
-    def rank_loss(scale, x, idx, w):
-        d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
-        return jax_ep.combine(d.x * scale, d.handle, weights=d.weights)
+    def rank_loss(scale, x, idx, w, m):
+        if not SPLIT:
+            d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
+            return jax_ep.combine(d.x * scale, d.handle, weights=d.weights)
+        pending = jax_ep.dispatch_start(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
+        x_side, pending = jax.lax.optimization_barrier((x, pending))
+        side, pending = jax.lax.optimization_barrier((x_side @ m, pending))
+        d = jax_ep.dispatch_finish(pending)
+        return jax_ep.combine_finish(jax_ep.combine_start(d.x * scale, d.handle, weights=d.weights)) + side
 
-    def body(x, idx, w, c, scale):
+    def body(x, idx, w, c, scale, m):
         def step(scale, s):
             xs = x * (1 + s.astype(jnp.float32) / STEPS)
-            out, pullback = jax.vjp(lambda sc: rank_loss(sc, xs, routing_at(idx, s), w), scale)
+            out, pullback = jax.vjp(lambda sc: rank_loss(sc, xs, routing_at(idx, s), w, m), scale)
             (dscale,) = pullback(c)
             return scale - LR * dscale, jnp.sum(out * c)
 
         scale, losses = jax.lax.scan(step, scale[0], jnp.arange(STEPS))
         return losses[None], scale[None]
 
-    return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
+    in_specs = (P("ep"),) * 5 + (P(),)
+    return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=P("ep")))
 
 
 def reference_scan(data: dict[str, np.ndarray], ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -86,7 +101,7 @@ def reference_scan(data: dict[str, np.ndarray], ranks: int) -> tuple[np.ndarray,
         xs = x0 * (1 + s / STEPS)
         ref = reference.dispatch(xs, stack(routing_at(data["idx"], s)), w, num_experts=EXPERTS)
         y = ref.x * scale[:, None, :]
-        out = reference.combine(ref, y, ref.weights)
+        out = reference.combine(ref, y, ref.weights) + (xs @ data["m"].astype(np.float64) if SPLIT else 0.0)
         losses[:, s] = np.sum(out * c, axis=(1, 2))
         dy, _ = reference.combine_vjp(ref, y, ref.weights, c)
         scale = scale - LR * np.sum(dy * ref.x, axis=1)
@@ -94,10 +109,10 @@ def reference_scan(data: dict[str, np.ndarray], ranks: int) -> tuple[np.ndarray,
 
 
 def launches_per_call(group, run) -> tuple[int, int]:
-    """Host launches of the group's calls while ``run()`` executes, and the calls it makes (3 per step)."""
+    """Host launches of the group's calls while ``run()`` executes, and the calls it makes."""
     before = group.host_launches()
     run()
-    return group.host_launches() - before, 3 * STEPS
+    return group.host_launches() - before, CALLS_PER_STEP * STEPS
 
 
 def main() -> None:
@@ -108,7 +123,7 @@ def main() -> None:
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     group = jax_ep.initialize(mesh, "ep", num_tokens=TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS)
     data = inputs(ranks)
-    args = [jnp.asarray(data[k]) for k in ("x", "idx", "w", "c", "scale")]
+    args = [jnp.asarray(data[k]) for k in ARGS]
     with jax.set_mesh(mesh):
         compiled = scan_fn("cuda").lower(*args).compile()
         jax.block_until_ready(compiled(*args))  # the first run records the command buffers
@@ -125,7 +140,8 @@ def main() -> None:
     np.testing.assert_allclose(scale, xla_scale, rtol=1e-4, atol=1e-5)
     assert len(set(losses[0].round(3).tolist())) > STEPS // 2  # the routing and data changed every step
     assert launches < calls * ranks, "the calls were not captured in command buffers"
-    print(f"{STEPS} steps on {ranks} GPU(s): losses and scales match the reference and backend xla", flush=True)
+    mode = "split ops, a matmul between the halves" if SPLIT else "whole ops"
+    print(f"{STEPS} steps on {ranks} GPU(s), {mode}: losses and scales match the reference and backend xla", flush=True)
     print("OK", flush=True)
 
 

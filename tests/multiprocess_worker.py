@@ -237,7 +237,9 @@ def scan_shared(mesh, process_id):
     import command_buffer_scan as scan
 
     data = scan.inputs(R)
-    args = [global_array(mesh, data[k]) for k in ("x", "idx", "w", "c", "scale")]
+    m = data["m"]
+    replicated = jax.make_array_from_callback(m.shape, NamedSharding(mesh, P()), lambda index: m[index])
+    args = [global_array(mesh, data[k]) for k in scan.ARGS[:-1]] + [replicated]
     with jax.set_mesh(mesh):
         compiled = scan.scan_fn("cuda").lower(*args).compile()
         jax.block_until_ready(compiled(*args))  # the first run records the command buffers

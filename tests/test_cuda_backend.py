@@ -7,6 +7,7 @@ Every test runs on three EP groups: 2 GPUs reaching each other by peer stores ov
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -83,13 +84,11 @@ def _inputs(mesh, kind, tokens, hidden, topk, experts, dtype, seed):
     return jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w)
 
 
-def _run(mesh, backend, x, idx, w, partial_dtype=None, **kw):
-    import jax_ep
-
+def _run(mesh, backend, x, idx, w, partial_dtype=None, split=False, **kw):
     def f(x, idx, w):
-        d = jax_ep.dispatch(x, idx, w, axis_name="ep", backend=backend, **kw)
+        d = _dispatch(split, x, idx, w, axis_name="ep", backend=backend, **kw)
         y = d.x * 2 + 1
-        out = jax_ep.combine(y, d.handle, weights=d.weights, partial_dtype=partial_dtype)
+        out = _combine(split, y, d.handle, weights=d.weights, partial_dtype=partial_dtype)
         scalars = jnp.stack([d.num_dropped, d.num_invalid])
         return (
             d.x[None],
@@ -154,15 +153,29 @@ def test_small_sm_budget_gives_the_same_results(mesh, transport, num_sms):
     _assert_same(cuda, xla, jnp.bfloat16)
 
 
-def _grads(mesh, backend, layout, x, idx, w, partial_dtype=None):
+def _dispatch(split, x, idx, w, **kw):
+    """jax_ep.dispatch, or its split halves."""
     import jax_ep
 
+    return jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw)) if split else jax_ep.dispatch(x, idx, w, **kw)
+
+
+def _combine(split, y, handle, **kw):
+    """jax_ep.combine, or its split halves."""
+    import jax_ep
+
+    return jax_ep.combine_finish(jax_ep.combine_start(y, handle, **kw)) if split else jax_ep.combine(y, handle, **kw)
+
+
+def _grads(mesh, backend, layout, x, idx, w, partial_dtype=None, split=False, wire_dtype=None):
     scale = jnp.linspace(0.5, 1.5, x.shape[1])
 
     def loss(x, w):
         def f(x, idx, w):
-            d = jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", layout=layout, capacity=200, backend=backend)
-            return jax_ep.combine(jnp.tanh(d.x) * scale, d.handle, weights=d.weights * 1.5, partial_dtype=partial_dtype)
+            kw = dict(num_experts=16, layout=layout, capacity=200, backend=backend, wire_dtype=wire_dtype)
+            d = _dispatch(split, x, idx, w, axis_name="ep", **kw)
+            y = (jnp.tanh(d.x) * scale).astype(x.dtype)
+            return _combine(split, y, d.handle, weights=d.weights * 1.5, partial_dtype=partial_dtype)
 
         out = jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
         return jnp.sum(jnp.sin(out))
@@ -267,6 +280,104 @@ def test_every_op_is_deterministic(mesh, layout):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
+@pytest.mark.parametrize("wire_dtype", [None, jnp.float8_e4m3fn], ids=["rows", "fp8"])
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_split_ops_equal_the_whole_ops_on_the_gpu(mesh, layout, wire_dtype):
+    """dispatch_start/finish and combine_start/finish (separate kernel launches: send, then receive) give the
+    bits of dispatch and combine, forward (both partial dtypes) and gradients (their split backward passes)."""
+    x, idx, w = _inputs(mesh, "messy", 300, 2048, 8, 32, jnp.bfloat16, seed=23)
+    kw = dict(num_experts=32, layout=layout, capacity=None if layout == "ragged" else 60, wire_dtype=wire_dtype)
+    for partial in (None, jnp.float32):
+        split, whole = (_run(mesh, "cuda", x, idx, w, partial, s, **kw) for s in (True, False))
+        assert_bits_equal(specified(split[0], split[2]), specified(whole[0], whole[2]), err_msg="x")
+        for a, b in zip(jax.tree.leaves(split[1:]), jax.tree.leaves(whole[1:]), strict=True):
+            assert_bits_equal(a, b)
+        assert np.abs(np.asarray(whole[5], np.float32)).sum() > 0
+    x16 = x[: mesh.devices.size * 128]
+    idx16, w16 = jnp.where(idx[: x16.shape[0], :4] < 0, -1, idx[: x16.shape[0], :4] % 16), w[: x16.shape[0], :4]
+    for partial in (None, jnp.float32):
+        split, whole = (_grads(mesh, "cuda", layout, x16, idx16, w16, partial, s, wire_dtype) for s in (True, False))
+        for a, b in zip(split, whole, strict=True):
+            assert_bits_equal(a, b)
+            assert np.abs(np.asarray(b, np.float32)).sum() > 0
+
+
+def test_a_call_between_a_start_and_its_finish_is_an_error(mesh, transport):
+    """A dispatch_start left open (its finish in a later jit) and a whole dispatch in between: the group fails
+    the call with an error that says so, the finish's outputs are NaN, and initialize brings the group back."""
+    import jax_ep
+
+    x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=29)
+    kw = dict(num_experts=16, axis_name="ep", backend="cuda")
+    spec = P("ep")
+    try:
+        group = jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
+        with jax.set_mesh(mesh):
+            start = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch_start(*a, **kw), in_specs=spec, out_specs=spec))
+            finish = jax.jit(jax.shard_map(lambda p: jax_ep.dispatch_finish(p).x[None], in_specs=spec, out_specs=spec))
+            whole = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch(*a, **kw).x[None], in_specs=spec, out_specs=spec))
+            pending = start(x, idx, w)
+            jax.block_until_ready(whole(x, idx, w))  # between the start and its finish
+            try:
+                out = np.asarray(finish(pending))
+            except Exception as error:  # the handler may already report the failure
+                assert "split op" in str(error), error
+            else:
+                assert np.all(np.isnan(out))
+        with pytest.raises(RuntimeError, match="split op was open"):
+            group.check()
+    finally:
+        jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
+    kw = dict(num_experts=16)
+    _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
+
+
+def test_the_schedule_puts_pinned_compute_between_the_halves(mesh):
+    """With optimization barriers (as jax_ep.nn.MoE's overlap uses them), XLA's schedule runs the matmul after
+    the start's custom call and before the finish's."""
+    import jax_ep
+
+    x, idx, w = _inputs(mesh, "uniform", 64, 256, 4, 16, jnp.bfloat16, seed=31)
+    m = jnp.ones((256, 512), jnp.bfloat16)
+
+    def f(x, idx, w):
+        pending = jax_ep.dispatch_start(x, idx, w, num_experts=16, axis_name="ep", backend="cuda")
+        x_side, pending = jax.lax.optimization_barrier((x, pending))
+        side, pending = jax.lax.optimization_barrier((x_side @ m, pending))
+        d = jax_ep.dispatch_finish(pending)
+        return d.x[None], side
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile().as_text()
+    markers = {"start": '"jax_ep_dispatch_start"', "gemm": r"cublas|gemm| dot\(", "finish": '"jax_ep_dispatch_finish"'}
+    order = _scheduled(text, markers)
+    assert order.index("start") < order.index("gemm") < order.index("finish"), order
+
+
+def _scheduled(hlo: str, markers: dict[str, str]) -> list[str]:
+    """The markers (name: regex) in the order an optimized HLO module runs them: the entry computation's
+    instructions in schedule order, each called computation (fusions, command buffers) expanded in place."""
+    computations, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY )?%?([^\s(]+) .*\{$", line)
+        if header:
+            name, entry = header.group(2), header.group(2) if header.group(1) else entry
+            computations[name] = []
+        elif name is not None and line.startswith("  "):
+            computations[name].append(line)
+    order: list[str] = []
+
+    def walk(computation: str) -> None:
+        for line in computations[computation]:
+            order.extend(m for m, pattern in markers.items() if m not in order and re.search(pattern, line))
+            for callee in re.findall(r"%([\w.\-]+)", line.split("=", 1)[-1]):
+                if callee in computations and callee != computation:
+                    walk(callee)
+
+    walk(entry)
+    return order
+
+
 def test_many_calls_in_a_row(mesh):
     """Calls alternate staging halves and flags by parity: 50 in a scan, fresh data each time, nothing stale."""
     import jax_ep
@@ -342,11 +453,14 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
 SCAN_SCRIPT = Path(__file__).with_name("command_buffer_scan.py")
 
 
-def test_a_training_scan_under_command_buffers_matches_xla(mesh, tmp_path):
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_a_training_scan_under_command_buffers_matches_xla(mesh, tmp_path, split):
     """200 jitted training steps in lax.scan with XLA command buffers forced on for custom calls, routing that
-    changes every step: the same losses and parameters as backend xla (in a fresh process: XLA_FLAGS)."""
+    changes every step: the same losses and parameters as backend xla (in a fresh process: XLA_FLAGS); with the
+    whole ops, and with the split ops and a matmul between dispatch_start and dispatch_finish."""
     ranks = mesh.devices.size
     env = {**os.environ, "JAX_EP_SCAN_RANKS": str(ranks), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env["JAX_EP_SCAN_SPLIT"] = split
     done = subprocess.run(
         [sys.executable, str(SCAN_SCRIPT)], env=env, capture_output=True, text=True, timeout=400, check=False
     )

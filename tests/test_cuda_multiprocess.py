@@ -71,11 +71,13 @@ def test_a_mesh_in_another_device_order_is_an_error(tmp_path):
 
 
 @require_cuda(min_gpus=1)
-def test_a_training_scan_under_command_buffers_with_two_processes(tmp_path):
-    """tests/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0."""
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_a_training_scan_under_command_buffers_with_two_processes(tmp_path, split):
+    """tests/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0, with
+    the whole ops and with the split ops (a matmul between dispatch_start and dispatch_finish)."""
     from command_buffer_scan import COMMAND_BUFFER_FLAGS
 
-    env = {"XLA_FLAGS": COMMAND_BUFFER_FLAGS}
+    env = {"XLA_FLAGS": COMMAND_BUFFER_FLAGS, "JAX_EP_SCAN_SPLIT": split}
     for code, out in _run_pair("scan_shared", timeout=300, tmp_path=tmp_path, env=env):
         assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
         assert "captured:" in out and "matches the reference" in out

@@ -78,3 +78,35 @@ def test_the_pending_values_are_pytrees():
         ep_jit(lambda a, b, c: jax_ep.dispatch(a, b, c, num_experts=E, axis_name=AXIS).weights, R)(x, idx, w)
     )
     assert_bits_equal(d, want)
+
+
+def test_fp8_split_ops_equal_fp8_dispatch_gradients_included():
+    """wire_dtype=float8_e4m3fn through the split ops: the same dequantized rows and straight-through gradients."""
+    rng = np.random.default_rng(2)
+    hidden = 128
+    x, w = random_inputs(rng, R, T, hidden, K)
+    idx = routing(rng, "random", R, T, K, E)
+    kw = dict(num_experts=E, axis_name=AXIS, wire_dtype=jnp.float8_e4m3fn)
+    assert not np.array_equal(jnp.asarray(x).astype(jnp.float8_e4m3fn).astype(jnp.float32), x)  # FP8 rounds x
+
+    def value_and_grads(split):
+        def loss(x, idx, w):
+            if split:
+                d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
+            else:
+                d = jax_ep.dispatch(x, idx, w, **kw)
+            return jnp.sum(jnp.sin(jax_ep.combine(d.x * 1.5, d.handle, weights=d.weights)) ** 2)
+
+        return to_numpy(ep_jit(jax.value_and_grad(loss, argnums=(0, 2)), R)(x, idx, w))
+
+    for got, want in zip(jax.tree.leaves(value_and_grads(True)), jax.tree.leaves(value_and_grads(False)), strict=True):
+        assert_bits_equal(got, want)
+        assert np.abs(want).sum() > 0
+
+
+def test_dispatch_start_takes_dispatch_keywords():
+    x, idx, w = jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2))
+    with pytest.raises(TypeError, match="num_experts"):
+        jax_ep.dispatch_start(x, idx, w, axis_name=AXIS)
+    with pytest.raises(TypeError, match="capacityy"):
+        jax_ep.dispatch_start(x, idx, w, num_experts=E, axis_name=AXIS, capacityy=3)

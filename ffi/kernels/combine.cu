@@ -1,8 +1,8 @@
 // The combine kernel: on the expert side, each token received from a peer gets its delivered rows summed in
 // float32 in ascending row order, rounded to the partial type and stored once into the peer's staging half;
 // then each source adds, for every token, the partial sums of all ranks in ascending rank order (its own
-// computed on the spot from y) and rounds once to y's type. With row values (the backward pass of dispatch),
-// each slot's value travels back with its token.
+// computed on the spot from y, or staged like the others' in a split combine) and rounds once to y's type. With
+// row values (the backward pass of dispatch), each slot's value travels back with its token.
 #include <algorithm>
 
 #include "launch.h"
@@ -23,6 +23,7 @@ struct CombineParams {
   int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
   void* out;
   float* slot_values;
+  float* sent;
   CombineRegion region;
   int send_pieces, recv_pieces;
   bool do_send, do_receive;
@@ -87,7 +88,8 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
-template <typename Y, typename P>
+// kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
+template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
   constexpr int kWide = Wide<Y>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
@@ -101,14 +103,17 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   const Y* y = static_cast<const Y*>(p.y);
   int32_t* rows = held_rows[warp];
   float* weights = held_weights[warp];
-  const bool may_run = CallMayRun(g, call, p.axis_index);
+  const Phase phase = PhaseOf(p.do_send, p.do_receive);
+  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
+    if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
+    const int64_t sources = kStageOwn ? R : R - 1;
     if (may_run) {
-      for (int64_t item = first_warp; item < (R - 1) * T * p.send_pieces; item += warps) {
+      for (int64_t item = first_warp; item < sources * T * p.send_pieces; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
         const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
-        const int source = static_cast<int>(peer_index < me ? peer_index : peer_index + 1);
+        const int source = static_cast<int>(kStageOwn || peer_index < me ? peer_index : peer_index + 1);
         if (i >= p.recv_counts[source]) continue;
         const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
         const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, lane);
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         __syncwarp();
       }
     }
-    SignalSent(g, call);
+    SignalSent(g, call, phase);
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
@@ -145,7 +150,9 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
     const int32_t own_pos = dest_pos[me];
-    const int count = own_pos < 0 ? 0 : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, lane);
+    const int count = own_pos < 0 || kStageOwn
+                          ? 0
+                          : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, lane);
     int64_t begin, end;
     PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
     for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
@@ -154,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         const int32_t pos = dest_pos[d];
         if (pos < 0) continue;
         float part[kWide];
-        if (d == me) {
+        if (d == me && !kStageOwn) {
           PartialSum(y, H, rows, weights, count, e, p.width, part);
 #pragma unroll
           for (int v = 0; v < kWide; ++v) part[v] = ToFloat(FromFloat<P>(part[v]));  // the partial's rounding
@@ -173,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         const int32_t d = p.slot_dest[t * K + k];
         float value = 0.0f;
         if (d >= 0 && dest_pos[d] >= 0) {
-          if (d == me) {
+          if (d == me && !kStageOwn) {
             const int32_t row = p.recv_rows[(me * T + dest_pos[d]) * K + k];
             value = row >= 0 ? p.row_values[row] : 0.0f;
           } else {
@@ -190,26 +197,29 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
 }
 
 template <typename Y, typename P>
-Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, Phase phase) {
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
-  const int64_t steps = SumSteps(p.hidden, p.width);
-  p.send_pieces = PiecesPerRow((R - 1) * p.num_tokens, steps, g.max_blocks);
+  const bool stage_own = phase != Phase::kWhole;
+  const int64_t steps = SumSteps(p.hidden, p.width), sources = stage_own ? R : R - 1;
+  p.send_pieces = PiecesPerRow(sources * p.num_tokens, steps, g.max_blocks);
   p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
-  const int64_t send_items = (R - 1) * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
+  const int64_t send_items = sources * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    CombineKernel<Y, P><<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
+    const auto kernel = stage_own ? CombineKernel<Y, P, true> : CombineKernel<Y, P, false>;
+    kernel<<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineKernel");
   });
 }
 
 }  // namespace
 
-Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream,
+                     Phase phase) {
   if (c.topk > kMaxTopk) {
     return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
                                    std::to_string(c.topk));
@@ -229,17 +239,19 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
   p.topk = c.topk;
   p.out = c.out;
   p.slot_values = c.slot_values;
+  p.sent = c.sent;
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;
   switch (c.type) {
     case FloatType::kF32:
-      return Run<float, float>(p, g, swap, stream);
+      return Run<float, float>(p, g, swap, stream, phase);
     case FloatType::kBF16:
-      return c.partial_f32 ? Run<__nv_bfloat16, float>(p, g, swap, stream)
-                           : Run<__nv_bfloat16, __nv_bfloat16>(p, g, swap, stream);
+      return c.partial_f32 ? Run<__nv_bfloat16, float>(p, g, swap, stream, phase)
+                           : Run<__nv_bfloat16, __nv_bfloat16>(p, g, swap, stream, phase);
     case FloatType::kF16:
-      return c.partial_f32 ? Run<__half, float>(p, g, swap, stream) : Run<__half, __half>(p, g, swap, stream);
+      return c.partial_f32 ? Run<__half, float>(p, g, swap, stream, phase)
+                           : Run<__half, __half>(p, g, swap, stream, phase);
   }
   return Status::InvalidArgument("unknown float type");
 }

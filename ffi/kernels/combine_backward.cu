@@ -22,6 +22,7 @@ struct BackwardParams {
   int32_t steps;  // SumSteps(hidden, width)
   void* dy;
   float* dweights;
+  float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces;  // recv_pieces divides kSumWarps
   Divisor ranks, tokens;
@@ -158,9 +159,11 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kSumWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
-  const bool may_run = CallMayRun(g, call, p.axis_index);
+  const Phase phase = PhaseOf(p.do_send, p.do_receive);
+  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
+    if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     if (may_run) {
       for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
         StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
       }
     }
-    SignalSent(g, call);
+    SignalSent(g, call, phase);
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
@@ -253,7 +256,7 @@ int PiecesInBlock(int pieces) {
 }
 
 template <typename Y>
-Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, Phase phase) {
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
   const int64_t units = p.num_tokens * R;
@@ -266,7 +269,7 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   const int64_t recv_items = std::max(units * p.recv_pieces.value, (p.num_rows + 31) / 32);
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
@@ -277,7 +280,7 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
 }  // namespace
 
 Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, const NcclSwap& swap,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, Phase phase) {
   if (c.topk > kMaxTopk) {
     return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
                                    std::to_string(c.topk));
@@ -299,16 +302,17 @@ Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, c
   p.row_bytes = c.hidden * item;
   p.dy = c.dy;
   p.dweights = c.weights == nullptr ? nullptr : c.dweights;
+  p.sent = c.sent;
   p.region = DispatchRegion(c.num_tokens, c.topk, 0, p.row_bytes);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;
   switch (c.type) {
     case FloatType::kF32:
-      return Run<float>(p, g, swap, stream);
+      return Run<float>(p, g, swap, stream, phase);
     case FloatType::kBF16:
-      return Run<__nv_bfloat16>(p, g, swap, stream);
+      return Run<__nv_bfloat16>(p, g, swap, stream, phase);
     case FloatType::kF16:
-      return Run<__half>(p, g, swap, stream);
+      return Run<__half>(p, g, swap, stream, phase);
   }
   return Status::InvalidArgument("unknown float type");
 }

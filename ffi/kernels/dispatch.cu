@@ -286,9 +286,11 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t T = p.num_tokens, K = p.topk;
   const int32_t* scratch = g.scratch;
   int32_t* held = held_rows[warp];
-  const bool may_run = CallMayRun(g, call, p.axis_index);
+  const Phase phase = PhaseOf(p.do_send, p.do_receive);
+  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
+    if (!may_run && phase == Phase::kStart) Poison(p.token_dest_pos, T * R * 4);
     if (may_run) {
       for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
@@ -315,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
         }
       }
     }
-    SignalSent(g, call);
+    SignalSent(g, call, phase);
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
@@ -373,7 +375,8 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
 
 }  // namespace
 
-Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream) {
+Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream,
+                      Phase phase) {
   const int R = g.num_ranks;
   if (c.num_experts > kMaxExperts || c.num_experts % R != 0 || c.topk > kMaxTopk) {
     return Status::InvalidArgument("num_experts must be a multiple of R=" + std::to_string(R) +
@@ -420,10 +423,11 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   int64_t send_items, recv_items;
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
-  if (!(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
+  if (phase != Phase::kFinish &&
+      !(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
     return status;
   }
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, [&](bool send, bool receive, int64_t items) {
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);

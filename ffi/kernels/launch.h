@@ -32,13 +32,19 @@ enum FailCode : int32_t {
   kOutOfOrder = 2,   // `peer` ran another jax_ep call of the group at this position (calls issued in different orders)
   kWrongRank = 3,    // lax.axis_index differed from the rank the group gave this GPU
   kNcclTimeout = 5,  // an NCCL swap did not finish within the timeout (the watchdog aborted the communicator)
+  kSplitOpen = 6,    // a call met a split op's start without its finish (or a finish without its start)
 };
+
+// What one launch of a transfer does: the whole call, or one half of a split op. A start sends and leaves the
+// call open (Signals::open) until its finish receives; the group may run no other call in between.
+enum class Phase { kWhole, kStart, kFinish };
 
 // Lives in each GPU's memory; peers write flag[][me] and abort.
 struct Signals {
   uint64_t flag[2][kMaxRanks];  // [call parity][source]: tag of the call whose data `source` finished storing here
   uint64_t abort;               // 0, or AbortWord(code, reporter, peer): the group is out of step
   uint64_t calls;               // calls of the group completed on this GPU
+  uint64_t open;                // tag of the call whose start ran and whose finish has not, else 0
   uint32_t send_done;           // last-block detection of a kernel's send phase
   uint32_t kernel_done;         // ... of a whole transfer kernel
   uint32_t routing_done;        // ... of the routing kernel
@@ -151,7 +157,8 @@ using NcclSwap = std::function<Status(int64_t region_bytes)>;
 enum class FloatType { kF32, kBF16, kF16 };
 
 // Dispatch: routing of topk_idx and the tokens' trip into the layout; outputs as jax_ep/backends/cuda.py
-// names them. x is [T, row_bytes]; the layout has num_rows rows of row_bytes.
+// names them. x is [T, row_bytes]; the layout has num_rows rows of row_bytes. A start writes token_dest_pos and
+// slot_dest (the other outputs may be null), a finish the others (those two may be null).
 struct DispatchCall {
   const char* x;
   const int32_t* topk_idx;
@@ -164,8 +171,8 @@ struct DispatchCall {
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
 };
-Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap,
-                           cudaStream_t stream);
+Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
+                      Phase phase);
 
 // The backward pass of combine: each token's cotangent g [T, H] goes along the handle's routing to the rows
 // it reached, where dy = w * g (y's type) and dweights = <g, y[row]> (float32) are computed; rows that hold no
@@ -178,14 +185,17 @@ struct CombineBackwardCall {
   const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
   int64_t num_tokens, hidden, topk, num_rows;
   FloatType type;
-  void* dy;                 // [N, H]
-  float* dweights;          // [N] when weights
+  void* dy;                 // [N, H]; null in a start
+  float* dweights;          // [N] when weights, in a finish or a whole call
+  float* sent;              // [1], a start's output (written 0): what its finish waits on in XLA's graph
 };
 Status LaunchCombineBackward(const CombineBackwardCall& call, const GroupView& group, const NcclSwap& swap,
-                             cudaStream_t stream);
+                             cudaStream_t stream, Phase phase);
 
 // Combine: partial sums in row order to their source ranks, summed there in rank order. With row_values,
-// also every slot's row value (the backward pass of dispatch).
+// also every slot's row value (the backward pass of dispatch). A split combine stages this rank's own partial
+// sums too, so its finish reads only token_dest_pos and slot_dest (y, weights, row_values, recv_rows and
+// recv_counts may be null there) and its start writes only `sent`.
 struct CombineCall {
   const void* y;
   const float* weights;     // [N] or null (weight 1)
@@ -197,8 +207,10 @@ struct CombineCall {
   bool partial_f32;  // partial sums travel as float32 (else in y's type)
   void* out;
   float* slot_values;  // [T, K] when row_values
+  float* sent;         // [1], a start's output
 };
-Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream);
+Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
+                     Phase phase);
 
 // Sets the kernels' shared-memory limits; once per process, before any launch.
 Status PrepareKernels();

@@ -3,6 +3,8 @@
 //            flag[parity][me] = tag on every peer, tag = (call number << 8 | op);
 //   receive: every block waits until each peer's flag equals the tag exactly, reads its own staging half,
 //            and the last block counts the call done.
+// The two phases are one launch, or two (ranks reached through NCCL, whose swap goes in between, and the split
+// ops: a start leaves its call open in Signals::open until its finish; any other call meanwhile gives up).
 // A call writes the half of its parity, which every peer last read two calls ago: a peer's flag for this
 // call means it finished the call before, so halves are never overwritten while read. A wait that sees
 // another tag at this call's number (the ranks issued calls in another order), passes the timeout, or finds
@@ -106,14 +108,25 @@ __device__ inline bool Aborted(const GroupView& g, const Call& call) {
   return true;
 }
 
-// Block-wide: whether this call may go on. Call at a kernel's start, by every block.
-__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index) {
+// The phase of a launch that runs these halves of a transfer kernel.
+__device__ inline Phase PhaseOf(bool send, bool receive) {
+  return send && receive ? Phase::kWhole : (send ? Phase::kStart : Phase::kFinish);
+}
+
+// Block-wide: whether this call may go on. Call at a kernel's start, by every block. A finish needs its own
+// start's call open; anything else needs no call open.
+__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index, Phase phase) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     const int32_t axis = __ldg(axis_index);  // in flight together with the abort word's load
+    const uint64_t open = Volatile(&g.signals->open);
     ok = !Aborted(g, call);
     if (ok && axis != g.rank) {
       Fail(g, call, kWrongRank, axis, 0);
+      ok = 0;
+    }
+    if (ok && open != (phase == Phase::kFinish ? call.tag : 0)) {
+      Fail(g, call, kSplitOpen, g.rank, open);
       ok = 0;
     }
   }
@@ -145,12 +158,14 @@ __device__ inline bool LastBlock(uint32_t* counter) {
   return last;
 }
 
-// Every block ends its send phase here; the last one raises this rank's flag on every peer-store rank and,
-// when NCCL ranks follow, tells the watchdog that a swap is about to be enqueued. A group of one rank has
-// nobody to tell.
-__device__ inline void SignalSent(const GroupView& g, const Call& call) {
-  if (g.num_ranks == 1) return;
+// Every block ends its send phase here; the last one leaves a start's call open, raises this rank's flag on
+// every peer-store rank and, when NCCL ranks follow, tells the watchdog that a swap is about to be enqueued. A
+// group of one rank has nobody to tell.
+__device__ inline void SignalSent(const GroupView& g, const Call& call, Phase phase) {
+  if (g.num_ranks == 1 && phase == Phase::kWhole) return;
   if (!LastBlock<true>(&g.signals->send_done) || threadIdx.x != 0) return;
+  if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+  if (g.num_ranks == 1) return;
   if (g.nccl_ranks != 0) {  // the swap follows this kernel whatever happened: the watchdog watches it
     reinterpret_cast<volatile HostStatus*>(g.status)->nccl_started = call.number;
     __threadfence_system();
@@ -206,9 +221,10 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
   return failed == 0;
 }
 
-// Every block ends a call here; the last one counts it done on this GPU.
+// Every block ends a call here; the last one counts it done on this GPU and closes it.
 __device__ inline void FinishCall(const GroupView& g, const Call& call) {
   if (LastBlock<false>(&g.signals->kernel_done) && threadIdx.x == 0) {
+    *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
   }
 }

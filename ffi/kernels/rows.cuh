@@ -100,17 +100,20 @@ inline Status LaunchStatus(const char* kernel) {
   return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
 }
 
-// Runs a transfer fused (one launch that sends and receives), or, with ranks reached through NCCL, as a send
-// launch, the swap of `region_bytes` per rank and a receive launch. launch(send, receive, items) launches the
-// kernel for that many warp items and returns LaunchStatus.
+// Runs a transfer, or the phase of it that a split op asks for. A whole transfer is one launch that sends and
+// receives, or, with ranks reached through NCCL, a send launch, the swap of `region_bytes` per rank and a
+// receive launch; a start is the send launch and the swap, a finish the receive launch. launch(send, receive,
+// items) launches the kernel for that many warp items and returns LaunchStatus.
 template <typename Launch>
 Status RunTransfer(const GroupView& g, const NcclSwap& swap, int64_t region_bytes, int64_t send_items,
-                   int64_t recv_items, Launch launch) {
-  if (g.nccl_ranks == 0) return launch(true, true, std::max(send_items, recv_items));
-  Status status = launch(true, false, send_items);
-  if (!status.ok()) return status;
-  if (!(status = swap(region_bytes)).ok()) return status;
-  return launch(false, true, recv_items);
+                   int64_t recv_items, Phase phase, Launch launch) {
+  if (phase == Phase::kWhole && g.nccl_ranks == 0) return launch(true, true, std::max(send_items, recv_items));
+  if (phase != Phase::kFinish) {
+    Status status = launch(true, false, send_items);
+    if (!status.ok()) return status;
+    if (g.nccl_ranks != 0 && !(status = swap(region_bytes)).ok()) return status;
+  }
+  return phase == Phase::kStart ? Status::Ok() : launch(false, true, recv_items);
 }
 
 // A 16-byte load: from L2 for data peers stored during this kernel (staged), else a plain load.

@@ -101,6 +101,11 @@ std::string DeviceResources::Failure() const {
       return "jax_ep: on " + who + ", lax.axis_index " + Str(s->peer) +
              " differs from the kernels' rank (the rank jax_ep.initialize gave that GPU): the mesh inside shard_map "
              "orders its devices differently from the mesh given to jax_ep.initialize" + out_of_step;
+    case kSplitOpen:
+      return "jax_ep: " + who + " ran a call while a split op was open (a dispatch_start or combine_start, or "
+             "the start half of a backward pass, whose finish had not run yet), or a finish without its start "
+             "(open call tag " + Str(static_cast<int64_t>(s->seen)) + "): between a start and its finish the "
+             "group must run no other jax_ep call" + out_of_step;
     case kNcclTimeout:
       return "jax_ep: an NCCL swap on " + who +
              " with the ranks it reaches through NCCL did not finish within the timeout_s given to jax_ep.initialize, "

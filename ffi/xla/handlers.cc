@@ -120,50 +120,73 @@ ffi::ErrorOr<FloatType> TypeOf(const char* op, ffi::DataType type) {
     if (error_.failure()) return error_; \
   } while (0)
 
-ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts, bool expert_layout,
-                    int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx, F32Matrix topk_weights,
-                    I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out_x, F32VectorResult out_weights,
-                    I32VectorResult group_sizes, I32ScalarResult num_dropped, I32ScalarResult num_invalid,
-                    I32MatrixResult token_dest_pos, I32VectorResult send_counts, I32MatrixResult slot_dest,
-                    I32CubeResult recv_rows, I32VectorResult recv_counts, I32VectorResult row_slot) {
-  constexpr const char* kOp = "jax_ep_dispatch";
-  auto device = FindDevice(kOp, ordinal, state);
+// A dispatch's outputs; null where the phase does not write them (a start writes token_dest_pos and
+// slot_dest, a finish the others).
+struct DispatchOutputs {
+  ffi::Result<ffi::AnyBuffer>* x = nullptr;
+  F32VectorResult* weights = nullptr;
+  I32VectorResult* group_sizes = nullptr;
+  I32ScalarResult *num_dropped = nullptr, *num_invalid = nullptr;
+  I32MatrixResult* token_dest_pos = nullptr;
+  I32VectorResult* send_counts = nullptr;
+  I32MatrixResult* slot_dest = nullptr;
+  I32CubeResult* recv_rows = nullptr;
+  I32VectorResult *recv_counts = nullptr, *row_slot = nullptr;
+};
+
+// The data of an output the phase writes, else null.
+template <typename Result>
+auto DataOf(Result* result) -> decltype((*result)->typed_data()) {
+  return result == nullptr ? nullptr : (*result)->typed_data();
+}
+
+// Whether an output the phase writes has `count` elements (true for one it does not write).
+template <typename Result>
+bool Holds(Result* result, int64_t count) {
+  return result == nullptr || (*result)->element_count() == static_cast<size_t>(count);
+}
+
+template <typename Result>
+std::string DimsOf(Result* result) {
+  return result == nullptr ? "none" : Dims((*result)->dimensions());
+}
+
+ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t num_experts,
+                       bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
+                       F32Matrix topk_weights, I32Scalar axis_index, const DispatchOutputs& out, Phase phase) {
+  auto device = FindDevice(op, ordinal, state);
   if (device.has_error()) return device.error();
   const int64_t R = (*device)->num_ranks;
   const auto x_dims = x.dimensions();
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "x", x_dims.size() == 2, "[T, H]", Dims(x_dims)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "x", x_dims.size() == 2, "[T, H]", Dims(x_dims)));
   const int64_t T = x_dims[0], K = topk_idx.dimensions()[1];
   const int64_t row_bytes = T == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / T;
-  const int64_t N = out_weights->element_count();
   const int64_t L = num_experts / R;
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "topk_idx", topk_idx.dimensions()[0] == T, "[T=" + Str(T) + ", K]",
+  const int64_t N = expert_layout ? L * capacity : capacity;
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "topk_idx", topk_idx.dimensions()[0] == T, "[T=" + Str(T) + ", K]",
                                 Dims(topk_idx.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "topk_weights", topk_weights.element_count() == static_cast<size_t>(T * K),
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "topk_weights", topk_weights.element_count() == static_cast<size_t>(T * K),
                                 "[T, K]", Dims(topk_weights.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out x", out_x->size_bytes() == static_cast<size_t>(N * row_bytes),
-                                Str(N) + " rows of " + Str(row_bytes) + " bytes", Str(out_x->size_bytes()) + " bytes"));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "num_experts", num_experts >= R && num_experts % R == 0,
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "num_experts", num_experts >= R && num_experts % R == 0,
                                 "a positive multiple of R=" + Str(R), Str(num_experts)));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "capacity", capacity >= 1 && alignment >= 1, "positive, as its alignment",
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "capacity", capacity >= 1 && alignment >= 1, "positive, as its alignment",
                                 Str(capacity) + " and " + Str(alignment)));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", N == (expert_layout ? L * capacity : capacity),
-                                "[N] with N = " + std::string(expert_layout ? "L * C" : "C") + " = " +
-                                    Str(expert_layout ? L * capacity : capacity),
-                                Dims(out_weights->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "group_sizes", group_sizes->element_count() == static_cast<size_t>(L),
-                                "[L=" + Str(L) + "]", Dims(group_sizes->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "send_counts and recv_counts",
-                                send_counts->element_count() == static_cast<size_t>(R) &&
-                                    recv_counts->element_count() == static_cast<size_t>(R),
-                                "[R=" + Str(R) + "]", Dims(send_counts->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_dest", slot_dest->element_count() == static_cast<size_t>(T * K), "[T, K]",
-                                Dims(slot_dest->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos->element_count() == static_cast<size_t>(T * R),
-                                "[T, R=" + Str(R) + "] (R: the group's size)", Dims(token_dest_pos->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", recv_rows->element_count() == static_cast<size_t>(R * T * K),
-                                "[R, T, K]", Dims(recv_rows->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "row_slot", row_slot->element_count() == static_cast<size_t>(N), "[N]",
-                                Dims(row_slot->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "out x",
+                                out.x == nullptr || (*out.x)->size_bytes() == static_cast<size_t>(N * row_bytes),
+                                Str(N) + " rows of " + Str(row_bytes) + " bytes", DimsOf(out.x)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "weights", Holds(out.weights, N),
+                                "[N] with N = " + std::string(expert_layout ? "L * C" : "C") + " = " + Str(N),
+                                DimsOf(out.weights)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "group_sizes", Holds(out.group_sizes, L), "[L=" + Str(L) + "]",
+                                DimsOf(out.group_sizes)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "send_counts and recv_counts",
+                                Holds(out.send_counts, R) && Holds(out.recv_counts, R), "[R=" + Str(R) + "]",
+                                DimsOf(out.send_counts)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "slot_dest", Holds(out.slot_dest, T * K), "[T, K]", DimsOf(out.slot_dest)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "token_dest_pos", Holds(out.token_dest_pos, T * R),
+                                "[T, R=" + Str(R) + "] (R: the group's size)", DimsOf(out.token_dest_pos)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "recv_rows", Holds(out.recv_rows, R * T * K), "[R, T, K]", DimsOf(out.recv_rows)));
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "row_slot", Holds(out.row_slot, N), "[N]", DimsOf(out.row_slot)));
   DispatchCall call{};
   call.x = static_cast<const char*>(x.untyped_data());
   call.topk_idx = topk_idx.typed_data();
@@ -177,25 +200,64 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int
   call.alignment = alignment;
   call.num_rows = N;
   call.expert_layout = expert_layout;
-  call.out_x = static_cast<char*>(out_x->untyped_data());
-  call.out_weights = out_weights->typed_data();
-  call.group_sizes = group_sizes->typed_data();
-  call.num_dropped = num_dropped->typed_data();
-  call.num_invalid = num_invalid->typed_data();
-  call.token_dest_pos = token_dest_pos->typed_data();
-  call.send_counts = send_counts->typed_data();
-  call.slot_dest = slot_dest->typed_data();
-  call.recv_rows = recv_rows->typed_data();
-  call.recv_counts = recv_counts->typed_data();
-  call.row_slot = row_slot->typed_data();
-  return ToFfi(kOp, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream));
+  call.out_x = out.x == nullptr ? nullptr : static_cast<char*>((*out.x)->untyped_data());
+  call.out_weights = DataOf(out.weights);
+  call.group_sizes = DataOf(out.group_sizes);
+  call.num_dropped = DataOf(out.num_dropped);
+  call.num_invalid = DataOf(out.num_invalid);
+  call.token_dest_pos = DataOf(out.token_dest_pos);
+  call.send_counts = DataOf(out.send_counts);
+  call.slot_dest = DataOf(out.slot_dest);
+  call.recv_rows = DataOf(out.recv_rows);
+  call.recv_counts = DataOf(out.recv_counts);
+  call.row_slot = DataOf(out.row_slot);
+  return ToFfi(op, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
 
-ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
-                           ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
-                           I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
-                           ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
-  constexpr const char* kOp = "jax_ep_combine_backward";
+ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
+                    bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
+                    F32Matrix topk_weights, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out_x,
+                    F32VectorResult out_weights, I32VectorResult group_sizes, I32ScalarResult num_dropped,
+                    I32ScalarResult num_invalid, I32MatrixResult token_dest_pos, I32VectorResult send_counts,
+                    I32MatrixResult slot_dest, I32CubeResult recv_rows, I32VectorResult recv_counts,
+                    I32VectorResult row_slot) {
+  const DispatchOutputs out{&out_x,          &out_weights, &group_sizes, &num_dropped, &num_invalid, &token_dest_pos,
+                            &send_counts,    &slot_dest,   &recv_rows,   &recv_counts, &row_slot};
+  return RunDispatch("jax_ep_dispatch", stream, ordinal, state, num_experts, expert_layout, capacity, alignment, x,
+                     topk_idx, topk_weights, axis_index, out, Phase::kWhole);
+}
+
+ffi::Error DispatchStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
+                         bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
+                         I32Matrix topk_idx, F32Matrix topk_weights, I32Scalar axis_index,
+                         I32MatrixResult token_dest_pos, I32MatrixResult slot_dest) {
+  DispatchOutputs out;
+  out.token_dest_pos = &token_dest_pos;
+  out.slot_dest = &slot_dest;
+  return RunDispatch("jax_ep_dispatch_start", stream, ordinal, state, num_experts, expert_layout, capacity,
+                     alignment, x, topk_idx, topk_weights, axis_index, out, Phase::kStart);
+}
+
+// token_dest_pos and slot_dest (the start's outputs) are only its place in XLA's graph: after the start.
+ffi::Error DispatchFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
+                          bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
+                          I32Matrix topk_idx, F32Matrix topk_weights, I32Matrix, I32Matrix, I32Scalar axis_index,
+                          ffi::Result<ffi::AnyBuffer> out_x, F32VectorResult out_weights,
+                          I32VectorResult group_sizes, I32ScalarResult num_dropped, I32ScalarResult num_invalid,
+                          I32VectorResult send_counts, I32CubeResult recv_rows, I32VectorResult recv_counts,
+                          I32VectorResult row_slot) {
+  DispatchOutputs out{&out_x,       &out_weights, &group_sizes, &num_dropped, &num_invalid, nullptr,
+                      &send_counts, nullptr,      &recv_rows,   &recv_counts, &row_slot};
+  return RunDispatch("jax_ep_dispatch_finish", stream, ordinal, state, num_experts, expert_layout, capacity,
+                     alignment, x, topk_idx, topk_weights, axis_index, out, Phase::kFinish);
+}
+
+// dy and dweights: null in a start; sent: a start's output, else null.
+ffi::Error RunCombineBackward(const char* kOp, cudaStream_t stream, int32_t ordinal, GroupState* state,
+                              ffi::AnyBuffer g, ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos,
+                              I32Cube recv_rows, I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
+                              ffi::Result<ffi::AnyBuffer>* dy, F32VectorResult* dweights, F32VectorResult* sent,
+                              Phase phase) {
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, y.element_type());
@@ -219,12 +281,12 @@ ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* sta
   const bool has_weights = weights.element_count() != 0;
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", !has_weights || weights.element_count() == static_cast<size_t>(N),
                                 "[N=" + Str(N) + "] or empty", Dims(weights.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dy", dy->element_count() == static_cast<size_t>(N * H) &&
-                                    dy->element_type() == y.element_type(),
-                                "[N, H] of y's dtype", Dims(dy->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dweights",
-                                dweights->element_count() == static_cast<size_t>(has_weights ? N : 0),
-                                has_weights ? "[N]" : "[0] without weights", Dims(dweights->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dy", dy == nullptr || ((*dy)->element_count() == static_cast<size_t>(N * H) &&
+                                                              (*dy)->element_type() == y.element_type()),
+                                "[N, H] of y's dtype", DimsOf(dy)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dweights", Holds(dweights, has_weights ? N : 0),
+                                has_weights ? "[N]" : "[0] without weights", DimsOf(dweights)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
   CombineBackwardCall call{};
   call.g = g.untyped_data();
   call.y = y.untyped_data();
@@ -239,16 +301,43 @@ ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* sta
   call.topk = rows_dims[2];
   call.num_rows = N;
   call.type = *type;
-  call.dy = dy->untyped_data();
-  call.dweights = has_weights ? dweights->typed_data() : nullptr;
-  return ToFfi(kOp, LaunchCombineBackward(call, (*device)->View(), SwapFor(*device, stream), stream));
+  call.dy = dy == nullptr ? nullptr : (*dy)->untyped_data();
+  call.dweights = has_weights ? DataOf(dweights) : nullptr;
+  call.sent = DataOf(sent);
+  return ToFfi(kOp, LaunchCombineBackward(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
 
-ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
-                   F32Vector weights, F32Vector row_values, I32Cube recv_rows, I32Vector recv_counts,
-                   I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> slot_values) {
-  constexpr const char* kOp = "jax_ep_combine";
+ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
+                           ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
+                           I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
+                           ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
+  return RunCombineBackward("jax_ep_combine_backward", stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, &dy, &dweights, nullptr, Phase::kWhole);
+}
+
+ffi::Error CombineBackwardStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
+                                ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
+                                I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
+                                F32VectorResult sent) {
+  return RunCombineBackward("jax_ep_combine_backward_start", stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, nullptr, nullptr, &sent, Phase::kStart);
+}
+
+// `sent` (the start's output) is only its place in XLA's graph: after the start.
+ffi::Error CombineBackwardFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
+                                 ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
+                                 I32Vector recv_counts, I32Vector row_slot, F32Vector, I32Scalar axis_index,
+                                 ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
+  return RunCombineBackward("jax_ep_combine_backward_finish", stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, &dy, &dweights, nullptr, Phase::kFinish);
+}
+
+// out and slot_values: null in a start; sent: a start's output, else null.
+ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, GroupState* state, bool partial_f32,
+                      ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
+                      I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
+                      ffi::Result<ffi::AnyBuffer>* out, ffi::Result<ffi::AnyBuffer>* slot_values,
+                      F32VectorResult* sent, Phase phase) {
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, y.element_type());
@@ -271,12 +360,12 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int6
                                 Dims(slot_dest.dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_counts", recv_counts.element_count() == static_cast<size_t>(R), "[R]",
                                 Dims(recv_counts.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out->element_count() == static_cast<size_t>(T * H) &&
-                                    out->element_type() == y.element_type(),
-                                "[T, H] of y's dtype", Dims(out->dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values",
-                                !has_values || slot_values->element_count() == static_cast<size_t>(T * K),
-                                "[T, K] with row_values", Dims(slot_values->dimensions())));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out == nullptr || ((*out)->element_count() == static_cast<size_t>(T * H) &&
+                                                                (*out)->element_type() == y.element_type()),
+                                "[T, H] of y's dtype", DimsOf(out)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(slot_values, T * K),
+                                "[T, K] with row_values", DimsOf(slot_values)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
   CombineCall call{};
   call.y = y.untyped_data();
   call.weights = has_weights ? weights.typed_data() : nullptr;
@@ -291,9 +380,62 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int6
   call.topk = K;
   call.type = *type;
   call.partial_f32 = partial_f32;
+  call.out = out == nullptr ? nullptr : (*out)->untyped_data();
+  call.slot_values = has_values && slot_values != nullptr ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr;
+  call.sent = DataOf(sent);
+  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
+}
+
+ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
+                   F32Vector weights, F32Vector row_values, I32Cube recv_rows, I32Vector recv_counts,
+                   I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> slot_values) {
+  return RunCombine("jax_ep_combine", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
+                    recv_counts, token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kWhole);
+}
+
+ffi::Error CombineStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
+                        ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
+                        I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
+                        F32VectorResult sent) {
+  return RunCombine("jax_ep_combine_start", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
+                    recv_counts, token_dest_pos, slot_dest, axis_index, nullptr, nullptr, &sent, Phase::kStart);
+}
+
+// A split combine's finish reads only the staged partial sums: its shapes come from its outputs (out [T, H] in
+// y's dtype; slot values [T, K] when the start had row values, else [0]). `sent` (the start's output) is only
+// its place in XLA's graph.
+ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
+                         I32Matrix token_dest_pos, I32Matrix slot_dest, F32Vector, I32Scalar axis_index,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> slot_values) {
+  constexpr const char* kOp = "jax_ep_combine_finish";
+  auto device = FindDevice(kOp, ordinal, state);
+  if (device.has_error()) return device.error();
+  auto type = TypeOf(kOp, out->element_type());
+  if (type.has_error()) return type.error();
+  const int64_t R = (*device)->num_ranks;
+  const auto out_dims = out->dimensions(), pos_dims = token_dest_pos.dimensions();
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out_dims.size() == 2, "[T, H]", Dims(out_dims)));
+  const int64_t T = out_dims[0], H = out_dims[1], K = slot_dest.dimensions()[1];
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", pos_dims[0] == T && pos_dims[1] == R,
+                                "[T=" + Str(T) + ", R=" + Str(R) + "]", Dims(pos_dims)));
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_dest", slot_dest.dimensions()[0] == T, "[T, K]",
+                                Dims(slot_dest.dimensions())));
+  const bool has_values = slot_values->element_count() != 0;
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(&slot_values, T * K), "[T, K] or [0]",
+                                DimsOf(&slot_values)));
+  CombineCall call{};
+  call.axis_index = axis_index.typed_data();
+  call.token_dest_pos = token_dest_pos.typed_data();
+  call.slot_dest = slot_dest.typed_data();
+  call.num_tokens = T;
+  call.hidden = H;
+  call.topk = K;
+  call.type = *type;
+  call.partial_f32 = partial_f32;
   call.out = out->untyped_data();
   call.slot_values = has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr;
-  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream));
+  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, Phase::kFinish));
 }
 
 }  // namespace
@@ -313,56 +455,123 @@ auto BindGroupCall() {
       .Attr<int64_t>("group");  // the jax_ep.Group's id (read by the instantiate stage)
 }
 
+// Dispatch's attributes and inputs, shared by the whole op and its two halves.
+auto BindDispatch() {
+  return BindGroupCall()
+      .Attr<int64_t>("num_experts")  // E
+      .Attr<bool>("expert_layout")   // layout "expert" (else "ragged")
+      .Attr<int64_t>("capacity")     // C
+      .Attr<int64_t>("alignment")    // expert_alignment
+      .Arg<ffi::AnyBuffer>()         // x [T, H]
+      .Arg<I32Matrix>()              // topk_idx [T, K]
+      .Arg<F32Matrix>();             // topk_weights [T, K]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
-                              BindGroupCall()
-                                  .Attr<int64_t>("num_experts")  // E
-                                  .Attr<bool>("expert_layout")   // layout "expert" (else "ragged")
-                                  .Attr<int64_t>("capacity")     // C
-                                  .Attr<int64_t>("alignment")    // expert_alignment
-                                  .Arg<ffi::AnyBuffer>()         // x [T, H]
-                                  .Arg<I32Matrix>()              // topk_idx [T, K]
-                                  .Arg<F32Matrix>()              // topk_weights [T, K]
-                                  .Arg<I32Scalar>()              // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()         // x rows [N, H]
-                                  .Ret<F32Vector>()              // weights [N]
-                                  .Ret<I32Vector>()              // group_sizes [L]
-                                  .Ret<I32Scalar>()              // num_dropped
-                                  .Ret<I32Scalar>()              // num_invalid
-                                  .Ret<I32Matrix>()              // token_dest_pos [T, R]
-                                  .Ret<I32Vector>()              // send_counts [R]
-                                  .Ret<I32Matrix>()              // slot_dest [T, K]
-                                  .Ret<I32Cube>()                // recv_rows [R, T, K]
-                                  .Ret<I32Vector>()              // recv_counts [R]
-                                  .Ret<I32Vector>(),             // row_slot [N]
+                              BindDispatch()
+                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()  // x rows [N, H]
+                                  .Ret<F32Vector>()       // weights [N]
+                                  .Ret<I32Vector>()       // group_sizes [L]
+                                  .Ret<I32Scalar>()       // num_dropped
+                                  .Ret<I32Scalar>()       // num_invalid
+                                  .Ret<I32Matrix>()       // token_dest_pos [T, R]
+                                  .Ret<I32Vector>()       // send_counts [R]
+                                  .Ret<I32Matrix>()       // slot_dest [T, K]
+                                  .Ret<I32Cube>()         // recv_rows [R, T, K]
+                                  .Ret<I32Vector>()       // recv_counts [R]
+                                  .Ret<I32Vector>(),      // row_slot [N]
                               {kCommandBuffers});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchStart, jax_ep::DispatchStart,
+                              BindDispatch()
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .Ret<I32Matrix>()  // token_dest_pos [T, R]
+                                  .Ret<I32Matrix>(), // slot_dest [T, K]
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchFinish, jax_ep::DispatchFinish,
+                              BindDispatch()
+                                  .Arg<I32Matrix>()       // the start's token_dest_pos
+                                  .Arg<I32Matrix>()       // the start's slot_dest
+                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()  // x rows [N, H]
+                                  .Ret<F32Vector>()       // weights [N]
+                                  .Ret<I32Vector>()       // group_sizes [L]
+                                  .Ret<I32Scalar>()       // num_dropped
+                                  .Ret<I32Scalar>()       // num_invalid
+                                  .Ret<I32Vector>()       // send_counts [R]
+                                  .Ret<I32Cube>()         // recv_rows [R, T, K]
+                                  .Ret<I32Vector>()       // recv_counts [R]
+                                  .Ret<I32Vector>(),      // row_slot [N]
+                              {kCommandBuffers});
+
+// The backward pass of combine's inputs, shared by the whole op and its two halves.
+auto BindCombineBackward() {
+  return BindGroupCall()
+      .Arg<ffi::AnyBuffer>()  // g [T, H]: the cotangent of combine's output
+      .Arg<ffi::AnyBuffer>()  // y [N, H]
+      .Arg<F32Vector>()       // weights [N], or [0] for weight 1
+      .Arg<I32Matrix>()       // token_dest_pos [T, R]
+      .Arg<I32Cube>()         // recv_rows [R, T, K]
+      .Arg<I32Vector>()       // recv_counts [R]
+      .Arg<I32Vector>();      // row_slot [N]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackward, jax_ep::CombineBackward,
-                              BindGroupCall()
-                                  .Arg<ffi::AnyBuffer>()  // g [T, H]: the cotangent of combine's output
-                                  .Arg<ffi::AnyBuffer>()  // y [N, H]
-                                  .Arg<F32Vector>()       // weights [N], or [0] for weight 1
-                                  .Arg<I32Matrix>()       // token_dest_pos [T, R]
-                                  .Arg<I32Cube>()         // recv_rows [R, T, K]
-                                  .Arg<I32Vector>()       // recv_counts [R]
-                                  .Arg<I32Vector>()       // row_slot [N]
+                              BindCombineBackward()
                                   .Arg<I32Scalar>()       // lax.axis_index of the EP axis
                                   .Ret<ffi::AnyBuffer>()  // dy [N, H]
                                   .Ret<F32Vector>(),      // dweights [N], or [0] without weights
                               {kCommandBuffers});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardStart, jax_ep::CombineBackwardStart,
+                              BindCombineBackward()
+                                  .Arg<I32Scalar>()   // lax.axis_index of the EP axis
+                                  .Ret<F32Vector>(),  // sent [1]
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardFinish, jax_ep::CombineBackwardFinish,
+                              BindCombineBackward()
+                                  .Arg<F32Vector>()       // the start's sent
+                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()  // dy [N, H]
+                                  .Ret<F32Vector>(),      // dweights [N], or [0] without weights
+                              {kCommandBuffers});
+
+// Combine's attribute and inputs, shared by the whole op and its start.
+auto BindCombine() {
+  return BindGroupCall()
+      .Attr<bool>("partial_f32")  // partial sums travel as float32, else in y's dtype
+      .Arg<ffi::AnyBuffer>()      // y [N, H]
+      .Arg<F32Vector>()           // weights [N], or [0] for weight 1
+      .Arg<F32Vector>()           // row_values [N], or [0]
+      .Arg<I32Cube>()             // recv_rows [R, T, K]
+      .Arg<I32Vector>()           // recv_counts [R]
+      .Arg<I32Matrix>()           // token_dest_pos [T, R]
+      .Arg<I32Matrix>()           // slot_dest [T, K]
+      .Arg<I32Scalar>();          // lax.axis_index of the EP axis
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
+                              BindCombine()
+                                  .Ret<ffi::AnyBuffer>()   // out [T, H]
+                                  .Ret<ffi::AnyBuffer>(),  // slot values [T, K] with row_values, else [0]
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineStart, jax_ep::CombineStart,
+                              BindCombine().Ret<F32Vector>(),  // sent [1]
+                              {kCommandBuffers});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineFinish, jax_ep::CombineFinish,
                               BindGroupCall()
-                                  .Attr<bool>("partial_f32")  // partial sums travel as float32, else in y's dtype
-                                  .Arg<ffi::AnyBuffer>()      // y [N, H]
-                                  .Arg<F32Vector>()           // weights [N], or [0] for weight 1
-                                  .Arg<F32Vector>()           // row_values [N], or [0]
-                                  .Arg<I32Cube>()             // recv_rows [R, T, K]
-                                  .Arg<I32Vector>()           // recv_counts [R]
+                                  .Attr<bool>("partial_f32")  // as the start's
                                   .Arg<I32Matrix>()           // token_dest_pos [T, R]
                                   .Arg<I32Matrix>()           // slot_dest [T, K]
+                                  .Arg<F32Vector>()           // the start's sent
                                   .Arg<I32Scalar>()           // lax.axis_index of the EP axis
                                   .Ret<ffi::AnyBuffer>()      // out [T, H]
-                                  .Ret<ffi::AnyBuffer>(),     // slot values [T, K] with row_values, else [0]
+                                  .Ret<ffi::AnyBuffer>(),     // slot values [T, K] when the start had row_values
                               {kCommandBuffers});
 
 extern "C" XLA_FFI_TypeId* JaxEpGroupStateTypeId() { return &jax_ep::GroupState::id; }

@@ -80,8 +80,14 @@ NB_MODULE(_jax_ep_cuda, m) {
     nb::dict targets;
     const std::pair<const char*, void*> calls[] = {
         {"jax_ep_dispatch", reinterpret_cast<void*>(JaxEpDispatch)},
+        {"jax_ep_dispatch_start", reinterpret_cast<void*>(JaxEpDispatchStart)},
+        {"jax_ep_dispatch_finish", reinterpret_cast<void*>(JaxEpDispatchFinish)},
         {"jax_ep_combine_backward", reinterpret_cast<void*>(JaxEpCombineBackward)},
+        {"jax_ep_combine_backward_start", reinterpret_cast<void*>(JaxEpCombineBackwardStart)},
+        {"jax_ep_combine_backward_finish", reinterpret_cast<void*>(JaxEpCombineBackwardFinish)},
         {"jax_ep_combine", reinterpret_cast<void*>(JaxEpCombine)},
+        {"jax_ep_combine_start", reinterpret_cast<void*>(JaxEpCombineStart)},
+        {"jax_ep_combine_finish", reinterpret_cast<void*>(JaxEpCombineFinish)},
     };
     for (const auto& [name, execute] : calls) {
       nb::dict stages;

@@ -6,6 +6,11 @@
 * ``combine_backward(handle, cotangent [T, H], y, weights) -> (dy, dweights or None)``: the backward pass of
   combine; ``dy = w * g`` and ``dweights = <g, y[row]>`` on held rows, exactly 0 on rows that hold no slot.
 
+and the split ops' halves and their backward passes (``dispatch_start``, ``dispatch_finish``,
+``dispatch_finish_backward``, ``dispatch_start_backward``, and the same four for combine): a start returns a
+tuple ``started`` for its finish; the backward pass of a finish returns, besides the inputs' cotangents (None
+for zero), a cotangent for ``started`` that carries what the backward pass of the start needs.
+
 ``jax_ep._api`` calls only these; each backend owns its fusions and fallbacks.
 """
 

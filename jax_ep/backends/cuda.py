@@ -8,6 +8,12 @@
   (also the backward pass of dispatch, with the weights' cotangent going back to the slots).
 
 Every call takes this rank's ``lax.axis_index``, which the kernels check against the group's rank.
+
+The split ops run each op's kernel in two launches, one FFI call each: ``*_start`` sends (and, for dispatch,
+routes) and leaves the call open on the GPU; ``*_finish`` waits for the peers and receives. Each finish takes
+one of its start's outputs, only so that XLA runs it after the start. A split combine stages this rank's own
+partial sums as well, so its finish needs only ``token_dest_pos`` and ``slot_dest``: that is what lets the
+backward pass of ``dispatch_start`` (a combine's finish) run from the start's own outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _group
+from .. import _fp8, _group
 from .._types import Config, Dispatched, Handle
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -67,43 +73,51 @@ def _call(name: str, results: Any, *args: jax.Array, config: Config, **attrs: An
     return call(*args, rank, group=config.group, **attrs)
 
 
-def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`.
-
-    With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep._fp8``): bytes to move.
-    """
-    if config.wire_dtype is None:
-        _check_dtype("x", x)
-    num_ranks, num_tokens, topk, rows = config.num_ranks, config.num_tokens, config.topk, config.num_rows
-    i32 = jnp.int32
-    results = (
-        _result(x, (rows, x.shape[1]), x.dtype),  # x
-        _result(x, (rows,), jnp.float32),  # weights
-        _result(x, (config.local_experts,), i32),  # group_sizes
-        _result(x, (), i32),  # num_dropped
-        _result(x, (), i32),  # num_invalid
-        _result(x, (num_tokens, num_ranks), i32),  # token_dest_pos
-        _result(x, (num_ranks,), i32),  # send_counts
-        _result(x, (num_tokens, topk), i32),  # slot_dest
-        _result(x, (num_ranks, num_tokens, topk), i32),  # recv_rows
-        _result(x, (num_ranks,), i32),  # recv_counts
-        _result(x, (rows,), i32),  # row_slot
-    )
-    out = _call(
-        "jax_ep_dispatch",
-        results,
-        x,
-        topk_idx,
-        topk_weights,
+def _dispatch_attrs(config: Config) -> dict[str, Any]:
+    return dict(
         config=config,
         num_experts=config.num_experts,
         expert_layout=config.layout == "expert",
         capacity=config.capacity,
         alignment=config.expert_alignment,
     )
-    x_rows, weights, group_sizes, num_dropped, num_invalid, *handle = out
+
+
+def _received(config: Config, x: jax.Array) -> tuple[Any, ...]:
+    """Result types of what a dispatch's receive phase writes, in the whole call's order."""
+    i32 = jnp.int32
+    return (
+        _result(x, (config.num_rows, x.shape[1]), x.dtype),  # x
+        _result(x, (config.num_rows,), jnp.float32),  # weights
+        _result(x, (config.local_experts,), i32),  # group_sizes
+        _result(x, (), i32),  # num_dropped
+        _result(x, (), i32),  # num_invalid
+    )
+
+
+def _routed(config: Config, x: jax.Array) -> tuple[Any, Any]:
+    """Result types of token_dest_pos and slot_dest, which the routing and send phase write."""
+    return (
+        _result(x, (config.num_tokens, config.num_ranks), jnp.int32),
+        _result(x, (config.num_tokens, config.topk), jnp.int32),
+    )
+
+
+def _counted(config: Config, x: jax.Array) -> tuple[Any, ...]:
+    """Result types of send_counts, recv_rows, recv_counts and row_slot (receive phase)."""
+    i32 = jnp.int32
+    return (
+        _result(x, (config.num_ranks,), i32),
+        _result(x, (config.num_ranks, config.num_tokens, config.topk), i32),
+        _result(x, (config.num_ranks,), i32),
+        _result(x, (config.num_rows,), i32),
+    )
+
+
+def _dispatched(config: Config, hidden: int, received: Any, handle: tuple[jax.Array, ...]) -> Dispatched:
+    x_rows, weights, group_sizes, num_dropped, num_invalid = received
     return Dispatched(
-        x=x_rows.reshape(config.layout_shape(x.shape[1])),
+        x=x_rows.reshape(config.layout_shape(hidden)),
         weights=weights.reshape(config.weights_shape),
         group_sizes=group_sizes,
         num_dropped=num_dropped,
@@ -112,34 +126,125 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     )
 
 
+def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`.
+
+    With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep._fp8``): bytes to move.
+    """
+    if config.wire_dtype is None:
+        _check_dtype("x", x)
+    token_dest_pos, slot_dest = _routed(config, x)
+    send_counts, recv_rows, recv_counts, row_slot = _counted(config, x)
+    results = (*_received(config, x), token_dest_pos, send_counts, slot_dest, recv_rows, recv_counts, row_slot)
+    out = _call("jax_ep_dispatch", results, x, topk_idx, topk_weights, **_dispatch_attrs(config))
+    return _dispatched(config, x.shape[1], out[:5], out[5:])
+
+
+def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> tuple:
+    """Routing and the send phase. Returns what the finish needs: ``(rows, topk_idx, topk_weights,
+    token_dest_pos, slot_dest, link)``, rows as they travel (``x`` or its packed FP8 rows); ``link`` (float32
+    [1]) carries, in the backward pass, the combine start of the finish's backward pass to the start's."""
+    rows = _fp8.wire_rows(x, config.wire_dtype)
+    if config.wire_dtype is None:
+        _check_dtype("x", rows)
+    token_dest_pos, slot_dest = _call(
+        "jax_ep_dispatch_start", _routed(config, rows), rows, topk_idx, topk_weights, **_dispatch_attrs(config)
+    )
+    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, jnp.zeros((1,), jnp.float32)
+
+
+def dispatch_finish(config: Config, started: tuple) -> Dispatched:
+    """The receive phase of :func:`dispatch_start`'s call."""
+    rows, topk_idx, topk_weights, token_dest_pos, slot_dest, _ = started
+    send_counts, recv_rows, recv_counts, row_slot = _counted(config, rows)
+    out = _call(
+        "jax_ep_dispatch_finish",
+        (*_received(config, rows), send_counts, recv_rows, recv_counts, row_slot),
+        rows,
+        topk_idx,
+        topk_weights,
+        token_dest_pos,
+        slot_dest,
+        **_dispatch_attrs(config),
+    )
+    handle = (token_dest_pos, out[5], slot_dest, *out[6:])
+    return _dispatched(config, rows.shape[1], out[:5], handle)
+
+
+def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> tuple:
+    """The backward pass of the finish: the start of the cotangents' combine, carried in ``link``."""
+    (sent,) = _call(
+        "jax_ep_combine_start",
+        (_result(rows_ct, (1,), jnp.float32),),
+        *_combine_operands(handle, rows_ct, None, weights_ct),
+        config=handle.config,
+        partial_f32=False,
+    )
+    return None, None, None, None, None, sent
+
+
+def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hidden: int, dtype: Any):
+    """The backward pass of the start: that combine's finish, from the start's own outputs. Returns (dx, dweights)."""
+    token_dest_pos, slot_dest = started[3], started[4]
+    return _combine_finish(config, token_dest_pos, slot_dest, dstarted[5], hidden, dtype, True, False)
+
+
+def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None) -> tuple:
+    _check_dtype("y", y)
+    rows = y.reshape(handle.config.num_rows, -1)
+    flat_weights = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
+    h = handle
+    return (cotangent.astype(rows.dtype), rows, flat_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
+
+
+def _backward_results(handle: Handle, y: jax.Array, weights: jax.Array | None) -> tuple:
+    rows = y.reshape(handle.config.num_rows, -1)
+    return (
+        _result(rows, rows.shape, rows.dtype),
+        _result(rows, (rows.shape[0] if weights is not None else 0,), jnp.float32),
+    )
+
+
+def _backward_outputs(y: jax.Array, weights: jax.Array | None, dy: jax.Array, dweights: jax.Array):
+    if weights is None:
+        return dy.reshape(y.shape), None
+    return dy.reshape(y.shape), dweights.reshape(weights.shape).astype(weights.dtype)
+
+
 def combine_backward(
     handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
-    _check_dtype("y", y)
-    config = handle.config
-    rows = y.reshape(config.num_rows, -1)
-    flat_weights = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
-    results = (
-        _result(rows, rows.shape, rows.dtype),
-        _result(rows, (config.num_rows if weights is not None else 0,), jnp.float32),
-    )
-    h = handle
+    operands = _backward_operands(handle, cotangent, y, weights)
     dy, dweights = _call(
-        "jax_ep_combine_backward",
-        results,
-        cotangent.astype(rows.dtype),
+        "jax_ep_combine_backward", _backward_results(handle, y, weights), *operands, config=handle.config
+    )
+    return _backward_outputs(y, weights, dy, dweights)
+
+
+def _combine_operands(
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, row_values: jax.Array | None
+) -> tuple[jax.Array, ...]:
+    _check_dtype("y", rows)
+    empty = jnp.zeros((0,), jnp.float32)
+    h = handle
+    return (
         rows,
-        flat_weights,
-        h.token_dest_pos,
+        empty if weights is None else weights.astype(jnp.float32),
+        empty if row_values is None else row_values.astype(jnp.float32),
         h.recv_rows,
         h.recv_counts,
-        h.row_slot,
-        config=config,
+        h.token_dest_pos,
+        h.slot_dest,
     )
-    if weights is None:
-        return dy.reshape(y.shape), None
-    return dy.reshape(y.shape), dweights.reshape(weights.shape).astype(weights.dtype)
+
+
+def _partial_f32(rows: jax.Array, partial_dtype: Any) -> bool:
+    if jnp.dtype(partial_dtype) not in (jnp.dtype(jnp.float32), rows.dtype):
+        raise TypeError(
+            f"jax_ep: backend 'cuda' sends partial sums as float32 or as y's dtype {rows.dtype}, got {partial_dtype}"
+        )
+    return jnp.dtype(partial_dtype) == jnp.dtype(jnp.float32) and rows.dtype != jnp.float32
 
 
 def combine(
@@ -150,30 +255,71 @@ def combine(
     row_values: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
-    _check_dtype("y", rows)
-    if jnp.dtype(partial_dtype) not in (jnp.dtype(jnp.float32), rows.dtype):
-        raise TypeError(
-            f"jax_ep: backend 'cuda' sends partial sums as float32 or as y's dtype {rows.dtype}, got {partial_dtype}"
-        )
     config = handle.config
-    num_tokens, topk = config.num_tokens, config.topk
-    empty = jnp.zeros((0,), jnp.float32)
-    h = handle
     results = (
-        _result(rows, (num_tokens, rows.shape[1]), rows.dtype),
-        _result(rows, (num_tokens, topk) if row_values is not None else (0,), jnp.float32),
+        _result(rows, (config.num_tokens, rows.shape[1]), rows.dtype),
+        _result(rows, (config.num_tokens, config.topk) if row_values is not None else (0,), jnp.float32),
     )
     out, values = _call(
         "jax_ep_combine",
         results,
-        rows,
-        empty if weights is None else weights.astype(jnp.float32),
-        empty if row_values is None else row_values.astype(jnp.float32),
-        h.recv_rows,
-        h.recv_counts,
-        h.token_dest_pos,
-        h.slot_dest,
+        *_combine_operands(handle, rows, weights, row_values),
         config=config,
-        partial_f32=jnp.dtype(partial_dtype) == jnp.dtype(jnp.float32) and rows.dtype != jnp.float32,
+        partial_f32=_partial_f32(rows, partial_dtype),
     )
     return out, (values if row_values is not None else None)
+
+
+def _combine_finish(config, token_dest_pos, slot_dest, sent, hidden, dtype, with_values, partial_f32):
+    """A split combine's finish: the [T, H] sums (and the slot values) from what its start staged."""
+    results = (
+        _result(token_dest_pos, (config.num_tokens, hidden), dtype),
+        _result(token_dest_pos, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
+    )
+    out, values = _call(
+        "jax_ep_combine_finish", results, token_dest_pos, slot_dest, sent, config=config, partial_f32=partial_f32
+    )
+    return out, (values if with_values else None)
+
+
+def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> tuple:
+    """The send phase, this rank's own partial sums included. Returns ``(sent, g_link)``: the start's output,
+    and a [T, H] placeholder whose cotangent carries combine's output cotangent to :func:`combine_start_backward`."""
+    (sent,) = _call(
+        "jax_ep_combine_start",
+        (_result(rows, (1,), jnp.float32),),
+        *_combine_operands(handle, rows, weights, None),
+        config=handle.config,
+        partial_f32=_partial_f32(rows, partial_dtype),
+    )
+    return sent, jnp.zeros((handle.config.num_tokens, rows.shape[1]), rows.dtype)
+
+
+def combine_finish(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: tuple):
+    """The receive phase of :func:`combine_start`'s call: ``[T, H]`` in ``rows``' dtype."""
+    config = handle.config
+    partial_f32 = _partial_f32(rows, partial_dtype)
+    args = (config, handle.token_dest_pos, handle.slot_dest, started[0], rows.shape[1], rows.dtype, False, partial_f32)
+    return _combine_finish(*args)[0]
+
+
+def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
+    """The backward pass of the finish: the send phase of combine's backward pass. Returns (dy, dweights,
+    dstarted), dstarted carrying the start's output and the cotangent to :func:`combine_start_backward`."""
+    operands = _backward_operands(handle, cotangent, y, weights)
+    (sent,) = _call("jax_ep_combine_backward_start", (_result(y, (1,), jnp.float32),), *operands, config=handle.config)
+    return None, None, (sent, operands[0])
+
+
+def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: tuple):
+    """The backward pass of the start: the receive phase of combine's backward pass. Returns (dy, dweights)."""
+    sent, cotangent = dstarted
+    operands = _backward_operands(handle, cotangent, y, weights)
+    dy, dweights = _call(
+        "jax_ep_combine_backward_finish",
+        _backward_results(handle, y, weights),
+        *operands,
+        sent,
+        config=handle.config,
+    )
+    return _backward_outputs(y, weights, dy, dweights)

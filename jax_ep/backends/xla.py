@@ -10,9 +10,12 @@ flattened to ``[N, ...]``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from .. import _fp8
 from .._layout import assign_rows, local_layout
 from .._types import Config, Dispatched, Handle
 
@@ -156,3 +159,48 @@ def combine_backward(
     dy = jnp.where(held, rows_ct * weights.astype(jnp.float32)[..., None], 0.0).astype(y.dtype)
     dweights = jnp.sum(jnp.where(held, rows_ct * y.astype(jnp.float32), 0.0), axis=-1)
     return dy, dweights.astype(weights.dtype)
+
+
+# The split ops. XLA schedules this backend's all-to-alls itself, so a dispatch's start only gathers the finish's
+# inputs, the finish runs the whole op, and the backward pass of the finish runs the whole backward pass, whose
+# cotangents the start's passes on. Combine's start does nothing; its finish and that one's backward pass run
+# the whole ops.
+
+
+def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> tuple:
+    del config
+    return x, topk_idx, topk_weights
+
+
+def dispatch_finish(config: Config, started: tuple) -> Dispatched:
+    x, topk_idx, topk_weights = started
+    return dispatch(config, _fp8.wire_rows(x, config.wire_dtype), topk_idx, topk_weights)
+
+
+def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> tuple:
+    dx, dweights = combine(handle, rows_ct, None, rows_ct.dtype, weights_ct)
+    return dx, None, dweights
+
+
+def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hidden: int, dtype: Any):
+    del config, started, hidden, dtype
+    return dstarted[0], dstarted[2]
+
+
+def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> tuple:
+    del handle, rows, weights, partial_dtype
+    return ()
+
+
+def combine_finish(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: tuple):
+    del started
+    return combine(handle, rows, weights, partial_dtype)[0]
+
+
+def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
+    return (*combine_backward(handle, cotangent, y, weights), None)
+
+
+def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: tuple):
+    del handle, y, weights, dstarted
+    return None, None

@@ -1,0 +1,155 @@
+"""What the split ops and FP8 dispatch cost on ONE GPU (an EP group of one GPU, mesh axis "ep"), in one run.
+
+    python bench/feature_costs.py OUT.json [--tokens 128,4096] [--backend cuda] [--iters 20]
+    python bench/feature_costs.py OUT.json --platform cpu --backend xla --hidden 256 --tokens 64   # a dry run
+
+Shapes: H=7168 (--hidden), K=8, E=256, bf16, ragged layout, uniform random routing with distinct experts per
+token (``jax_ep.bench.timing.make_inputs``). Device µs per call from ``jax_ep.bench.timing.seconds_per_call``
+(jitted ``fori_loop``s, routing shifted every iteration). OUT.json holds, per T:
+
+* ``split``: ``dispatch + matmul`` against ``dispatch_start``, the matmul pinned after it and before
+  ``dispatch_finish`` by ``jax.lax.optimization_barrier``, then ``dispatch_finish``; the same for combine. The
+  matmul is ``x [T, H] @ m [H, 2048]``, a shared expert's first GEMM, independent of the exchange. Both versions
+  pass their results through an optimization barrier, so that XLA computes all of them (the steps read one row).
+  In a group of one GPU nothing travels between GPUs, so the difference is only the cost of splitting (target:
+  at most 5%).
+* ``fp8``: one dispatch with rows in bf16 and with ``wire_dtype=float8_e4m3fn`` (quantization on the sender,
+  dequantization on the receiver, bytes on the wire 7392 instead of 14336 per row at H=7168), and their ratio.
+
+The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+SPLIT_COST_MAX = 1.05
+SHARED_INTERMEDIATE = 2048
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--backend", default="cuda", choices=["cuda", "xla"])
+    parser.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--iters", type=int, default=20)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+    from jax_ep.bench.record import provenance, write
+    from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, progress, seconds_per_call, time_backend
+
+    tokens_list = [int(v) for v in args.tokens.split(",") if v]
+    device = jax.devices(args.platform)[0]
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
+    command = "python bench/feature_costs.py " + " ".join(argv)
+    payload = {
+        **provenance(command),
+        "platform": args.platform,
+        "device": str(device),
+        "backend": args.backend,
+        "ranks": 1,
+        "hidden": args.hidden,
+        "topk": TOPK,
+        "experts": EXPERTS,
+        "dtype": "bfloat16",
+        "matmul": f"x [T, H] @ m [H, {SHARED_INTERMEDIATE}] bf16",
+        "split_cost_max": SPLIT_COST_MAX,
+        "results": {},
+    }
+    if args.backend == "cuda":
+        jax_ep.initialize(
+            mesh, "ep", num_tokens=max(tokens_list), hidden=args.hidden, topk=TOPK, num_experts=EXPERTS,
+            dtype=jnp.bfloat16,
+        )  # fmt: skip
+    kw = dict(num_experts=EXPERTS, axis_name="ep", backend=args.backend)
+
+    def pinned(start, finish, x, m):
+        """start() -> the matmul, pinned after it and before finish(pending) -> (result, matmul)."""
+        pending = start()
+        x_side, pending = jax.lax.optimization_barrier((x, pending))
+        side, pending = jax.lax.optimization_barrier((x_side @ m, pending))
+        return finish(pending), side
+
+    def dispatch_step(split):
+        def step(i, x, idx, w, m):
+            routing, m = (idx + i) % EXPERTS, m[0]
+            if split:
+                start = lambda: jax_ep.dispatch_start(x, routing, w, **kw)  # noqa: E731
+                d, side = pinned(start, jax_ep.dispatch_finish, x, m)
+            else:
+                d, side = jax.lax.optimization_barrier((jax_ep.dispatch(x, routing, w, **kw), x @ m))
+            flat = d.x.reshape(-1, d.x.shape[-1])
+            row = i % flat.shape[0]
+            return jnp.sum(flat[row].astype(jnp.float32)) + d.weights.reshape(-1)[row] + side[i % x.shape[0], 0]
+
+        return step
+
+    def combine_step(split):
+        def step(i, x, y, handle, weights, m):
+            weights, m = weights * (1.0 + i.astype(jnp.float32) * 0.0), m[0]
+            if split:
+                start = lambda: jax_ep.combine_start(y, handle, weights=weights)  # noqa: E731
+                out, side = pinned(start, jax_ep.combine_finish, x, m)
+            else:
+                out, side = jax.lax.optimization_barrier((jax_ep.combine(y, handle, weights=weights), x @ m))
+            return jnp.sum(out[i % x.shape[0]].astype(jnp.float32)) + side[i % x.shape[0], 0]
+
+        return step
+
+    with jax.set_mesh(mesh):
+        for tokens in tokens_list:
+            x, idx, w, _ = make_inputs(1, tokens, args.hidden)
+            idx = jnp.asarray(idx)
+            m = jnp.asarray(jax.random.normal(jax.random.key(0), (1, args.hidden, SHARED_INTERMEDIATE)), jnp.bfloat16)
+
+            def made(x, idx, w):
+                d = jax_ep.dispatch(x, idx, w, **kw)
+                return d.x, d.handle, d.weights
+
+            y, handle, y_weights = jax.jit(jax.shard_map(made, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+            row = {"split": {}, "fp8": {}}
+            for op, step, operands in (
+                ("dispatch", dispatch_step, (x, idx, w, m)),
+                ("combine", combine_step, (x, y, handle, y_weights, m)),
+            ):
+                whole = seconds_per_call(step(False), operands, args.iters) * 1e6
+                split = seconds_per_call(step(True), operands, args.iters) * 1e6
+                row["split"][op] = {"whole_us": whole, "split_us": split, "ratio": split / whole}
+                progress(f"T={tokens} {op} + matmul: whole {whole:.1f} us, split {split:.1f} us")
+            if args.hidden % 128 == 0:
+                rows = time_backend(args.backend, x, idx, w, iters=args.iters)["dispatch_us"]
+                fp8 = time_backend(args.backend, x, idx, w, wire_dtype=jnp.float8_e4m3fn, iters=args.iters)
+                row["fp8"] = {"bf16_dispatch_us": rows, "fp8_dispatch_us": fp8["dispatch_us"]}
+                row["fp8"]["ratio"] = fp8["dispatch_us"] / rows
+                progress(f"T={tokens} dispatch: bf16 rows {rows:.1f} us, FP8 rows {fp8['dispatch_us']:.1f} us")
+            payload["results"][str(tokens)] = row
+    write(args.out, payload)
+    print(f"{'T':>6} {'op':>9} {'whole + mm us':>14} {'split + mm us':>14} {'ratio':>6}   target <= {SPLIT_COST_MAX}")
+    for tokens, row in payload["results"].items():
+        for op, r in row["split"].items():
+            print(f"{tokens:>6} {op:>9} {r['whole_us']:14.1f} {r['split_us']:14.1f} {r['ratio']:6.3f}")
+        if row["fp8"]:
+            f = row["fp8"]
+            print(f"{tokens:>6} FP8 dispatch {f['fp8_dispatch_us']:.1f} us vs bf16 {f['bf16_dispatch_us']:.1f} us: "
+                  f"{f['ratio']:.3f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
