@@ -65,7 +65,9 @@ def test_divide_is_numpy_division_and_leaves_special_values():
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, 3.0], np.float32)
     by = np.array([2.0, 5.0, 3.0, 2.0, 1.0, 0.0, -np.inf], np.float32)
     with np.errstate(all="ignore"):
-        assert_bits_equal(np.asarray(_division.divide(special, by)), special / by)
+        got, want = np.asarray(_division.divide(special, by)), special / by
+        np.testing.assert_array_equal(got, want)  # NaN where NumPy has NaN (a GPU's NaN may carry other bits)
+        assert_bits_equal(got[~np.isnan(want)], want[~np.isnan(want)])
     assert_bits_equal(np.asarray(jax.jit(_division.divide)(a[:5], np.float32(448))), a[:5] / np.float32(448))
 
 

@@ -197,10 +197,10 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
 }
 
 template <typename Y, typename P>
-Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, Phase phase) {
+Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, Phase phase,
+           bool stage_own) {
   const int R = g.num_ranks;
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
-  const bool stage_own = phase != Phase::kWhole;
   const int64_t steps = SumSteps(p.hidden, p.width), sources = stage_own ? R : R - 1;
   p.send_pieces = PiecesPerRow(sources * p.num_tokens, steps, g.max_blocks);
   p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
@@ -243,15 +243,16 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;
+  if (c.stage_own && phase == Phase::kWhole) return Status::InvalidArgument("stage_own is for split combines");
   switch (c.type) {
     case FloatType::kF32:
-      return Run<float, float>(p, g, swap, stream, phase);
+      return Run<float, float>(p, g, swap, stream, phase, c.stage_own);
     case FloatType::kBF16:
-      return c.partial_f32 ? Run<__nv_bfloat16, float>(p, g, swap, stream, phase)
-                           : Run<__nv_bfloat16, __nv_bfloat16>(p, g, swap, stream, phase);
+      return c.partial_f32 ? Run<__nv_bfloat16, float>(p, g, swap, stream, phase, c.stage_own)
+                           : Run<__nv_bfloat16, __nv_bfloat16>(p, g, swap, stream, phase, c.stage_own);
     case FloatType::kF16:
-      return c.partial_f32 ? Run<__half, float>(p, g, swap, stream, phase)
-                           : Run<__half, __half>(p, g, swap, stream, phase);
+      return c.partial_f32 ? Run<__half, float>(p, g, swap, stream, phase, c.stage_own)
+                           : Run<__half, __half>(p, g, swap, stream, phase, c.stage_own);
   }
   return Status::InvalidArgument("unknown float type");
 }

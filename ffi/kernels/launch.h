@@ -193,9 +193,9 @@ Status LaunchCombineBackward(const CombineBackwardCall& call, const GroupView& g
                              cudaStream_t stream, Phase phase);
 
 // Combine: partial sums in row order to their source ranks, summed there in rank order. With row_values,
-// also every slot's row value (the backward pass of dispatch). A split combine stages this rank's own partial
-// sums too, so its finish reads only token_dest_pos and slot_dest (y, weights, row_values, recv_rows and
-// recv_counts may be null there) and its start writes only `sent`.
+// also every slot's row value (the backward pass of dispatch). A start writes only `sent`. With stage_own (a
+// split combine whose finish has no y: the backward pass of dispatch_start), the start stages this rank's own
+// partial sums too, and the finish reads only token_dest_pos and slot_dest (the other inputs may be null).
 struct CombineCall {
   const void* y;
   const float* weights;     // [N] or null (weight 1)
@@ -205,6 +205,7 @@ struct CombineCall {
   int64_t num_tokens, hidden, topk;
   FloatType type;
   bool partial_f32;  // partial sums travel as float32 (else in y's type)
+  bool stage_own;
   void* out;
   float* slot_values;  // [T, K] when row_values
   float* sent;         // [1], a start's output

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "../runtime/group.h"
 #include "xla/ffi/api/ffi.h"
@@ -337,7 +338,7 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
                       ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                       I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
                       ffi::Result<ffi::AnyBuffer>* out, ffi::Result<ffi::AnyBuffer>* slot_values,
-                      F32VectorResult* sent, Phase phase) {
+                      F32VectorResult* sent, Phase phase, bool stage_own) {
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, y.element_type());
@@ -380,6 +381,7 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
   call.topk = K;
   call.type = *type;
   call.partial_f32 = partial_f32;
+  call.stage_own = stage_own;
   call.out = out == nullptr ? nullptr : (*out)->untyped_data();
   call.slot_values = has_values && slot_values != nullptr ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr;
   call.sent = DataOf(sent);
@@ -391,24 +393,33 @@ ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int6
                    I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> slot_values) {
   return RunCombine("jax_ep_combine", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
-                    recv_counts, token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kWhole);
+                    recv_counts, token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kWhole,
+                    false);
 }
 
 ffi::Error CombineStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
-                        ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
+                        bool stage_own, ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                         I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
                         F32VectorResult sent) {
   return RunCombine("jax_ep_combine_start", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
-                    recv_counts, token_dest_pos, slot_dest, axis_index, nullptr, nullptr, &sent, Phase::kStart);
+                    recv_counts, token_dest_pos, slot_dest, axis_index, nullptr, nullptr, &sent, Phase::kStart,
+                    stage_own);
 }
 
-// A split combine's finish reads only the staged partial sums: its shapes come from its outputs (out [T, H] in
-// y's dtype; slot values [T, K] when the start had row values, else [0]). `sent` (the start's output) is only
-// its place in XLA's graph.
+// A split combine's finish. Without stage_own it takes the start's inputs; with it, it reads only the staged
+// partial sums and token_dest_pos and slot_dest (y may have no rows then): its shapes come from its outputs (out
+// [T, H] in y's dtype; slot values [T, K] when the start had row values, else [0]). `sent` (the start's output)
+// is only its place in XLA's graph.
 ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
-                         I32Matrix token_dest_pos, I32Matrix slot_dest, F32Vector, I32Scalar axis_index,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> slot_values) {
+                         bool stage_own, ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
+                         I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, F32Vector,
+                         I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> slot_values) {
   constexpr const char* kOp = "jax_ep_combine_finish";
+  if (!stage_own) {
+    return RunCombine(kOp, stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows, recv_counts,
+                      token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kFinish, false);
+  }
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, out->element_type());
@@ -433,6 +444,7 @@ ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state
   call.topk = K;
   call.type = *type;
   call.partial_f32 = partial_f32;
+  call.stage_own = true;
   call.out = out->untyped_data();
   call.slot_values = has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr;
   return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, Phase::kFinish));
@@ -539,39 +551,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardFinish, jax_ep::CombineBackwar
                                   .Ret<F32Vector>(),      // dweights [N], or [0] without weights
                               {kCommandBuffers});
 
-// Combine's attribute and inputs, shared by the whole op and its start.
-auto BindCombine() {
-  return BindGroupCall()
-      .Attr<bool>("partial_f32")  // partial sums travel as float32, else in y's dtype
-      .Arg<ffi::AnyBuffer>()      // y [N, H]
-      .Arg<F32Vector>()           // weights [N], or [0] for weight 1
-      .Arg<F32Vector>()           // row_values [N], or [0]
-      .Arg<I32Cube>()             // recv_rows [R, T, K]
-      .Arg<I32Vector>()           // recv_counts [R]
-      .Arg<I32Matrix>()           // token_dest_pos [T, R]
-      .Arg<I32Matrix>()           // slot_dest [T, K]
-      .Arg<I32Scalar>();          // lax.axis_index of the EP axis
+// Combine's inputs after its attributes, shared by the whole op and its two halves.
+template <typename Binding>
+auto WithCombineArgs(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // y [N, H]
+      .template Arg<F32Vector>()                 // weights [N], or [0] for weight 1
+      .template Arg<F32Vector>()                 // row_values [N], or [0]
+      .template Arg<I32Cube>()                   // recv_rows [R, T, K]
+      .template Arg<I32Vector>()                 // recv_counts [R]
+      .template Arg<I32Matrix>()                 // token_dest_pos [T, R]
+      .template Arg<I32Matrix>();                // slot_dest [T, K]
 }
 
+// partial_f32: partial sums travel as float32, else in y's dtype. stage_own (the halves): the start stages this
+// rank's own partial sums, and the finish needs no y.
+auto BindSplitCombine() { return BindGroupCall().Attr<bool>("partial_f32").Attr<bool>("stage_own"); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
-                              BindCombine()
+                              WithCombineArgs(BindGroupCall().Attr<bool>("partial_f32"))
+                                  .Arg<I32Scalar>()        // lax.axis_index of the EP axis
                                   .Ret<ffi::AnyBuffer>()   // out [T, H]
                                   .Ret<ffi::AnyBuffer>(),  // slot values [T, K] with row_values, else [0]
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineStart, jax_ep::CombineStart,
-                              BindCombine().Ret<F32Vector>(),  // sent [1]
+                              WithCombineArgs(BindSplitCombine())
+                                  .Arg<I32Scalar>()   // lax.axis_index of the EP axis
+                                  .Ret<F32Vector>(),  // sent [1]
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineFinish, jax_ep::CombineFinish,
-                              BindGroupCall()
-                                  .Attr<bool>("partial_f32")  // as the start's
-                                  .Arg<I32Matrix>()           // token_dest_pos [T, R]
-                                  .Arg<I32Matrix>()           // slot_dest [T, K]
-                                  .Arg<F32Vector>()           // the start's sent
-                                  .Arg<I32Scalar>()           // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()      // out [T, H]
-                                  .Ret<ffi::AnyBuffer>(),     // slot values [T, K] when the start had row_values
+                              WithCombineArgs(BindSplitCombine())
+                                  .Arg<F32Vector>()        // the start's sent
+                                  .Arg<I32Scalar>()        // lax.axis_index of the EP axis
+                                  .Ret<ffi::AnyBuffer>()   // out [T, H]
+                                  .Ret<ffi::AnyBuffer>(),  // slot values [T, K] when the start had row_values
                               {kCommandBuffers});
 
 extern "C" XLA_FFI_TypeId* JaxEpGroupStateTypeId() { return &jax_ep::GroupState::id; }

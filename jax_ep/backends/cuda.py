@@ -11,9 +11,10 @@ Every call takes this rank's ``lax.axis_index``, which the kernels check against
 
 The split ops run each op's kernel in two launches, one FFI call each: ``*_start`` sends (and, for dispatch,
 routes) and leaves the call open on the GPU; ``*_finish`` waits for the peers and receives. Each finish takes
-one of its start's outputs, only so that XLA runs it after the start. A split combine stages this rank's own
-partial sums as well, so its finish needs only ``token_dest_pos`` and ``slot_dest``: that is what lets the
-backward pass of ``dispatch_start`` (a combine's finish) run from the start's own outputs.
+one of its start's outputs, only so that XLA runs it after the start. The backward pass of ``dispatch_finish``
+starts a combine that stages this rank's own partial sums as well (``stage_own``), so that the backward pass of
+``dispatch_start`` can finish it from the start's own outputs (``token_dest_pos``, ``slot_dest``), without the
+cotangent rows.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int)
 def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
     """Result type that varies over the same mesh axes as ``like`` (inside ``shard_map``)."""
     return jax.typeof(like).update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
+
+
+def _zeros(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros that vary over the same mesh axes as ``like``: a placeholder whose cotangent carries a value."""
+    zeros = jnp.zeros(shape, dtype)
+    axes = tuple(getattr(jax.typeof(like), "vma", ()))
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _check_dtype(name: str, value: jax.Array) -> None:
@@ -150,7 +158,7 @@ def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weigh
     token_dest_pos, slot_dest = _call(
         "jax_ep_dispatch_start", _routed(config, rows), rows, topk_idx, topk_weights, **_dispatch_attrs(config)
     )
-    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, jnp.zeros((1,), jnp.float32)
+    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, _zeros(rows, (1,), jnp.float32)
 
 
 def dispatch_finish(config: Config, started: tuple) -> Dispatched:
@@ -172,21 +180,28 @@ def dispatch_finish(config: Config, started: tuple) -> Dispatched:
 
 
 def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> tuple:
-    """The backward pass of the finish: the start of the cotangents' combine, carried in ``link``."""
-    (sent,) = _call(
-        "jax_ep_combine_start",
-        (_result(rows_ct, (1,), jnp.float32),),
-        *_combine_operands(handle, rows_ct, None, weights_ct),
-        config=handle.config,
-        partial_f32=False,
-    )
+    """The backward pass of the finish: the start of the cotangents' combine, carried in ``link``. It stages
+    this rank's own partial sums too, so that its finish needs only what the start made."""
+    operands = _combine_operands(handle, rows_ct, None, weights_ct)
+    sent = _combine_start(handle.config, operands, partial_f32=False, stage_own=True)
     return None, None, None, None, None, sent
 
 
 def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hidden: int, dtype: Any):
     """The backward pass of the start: that combine's finish, from the start's own outputs. Returns (dx, dweights)."""
     token_dest_pos, slot_dest = started[3], started[4]
-    return _combine_finish(config, token_dest_pos, slot_dest, dstarted[5], hidden, dtype, True, False)
+    empty = jnp.zeros((0,), jnp.int32)
+    operands = (
+        _zeros(token_dest_pos, (0, hidden), dtype),  # no y: the start staged every partial sum
+        empty.astype(jnp.float32),
+        empty.astype(jnp.float32),
+        empty.reshape(0, 0, 0),
+        empty,
+        token_dest_pos,
+        slot_dest,
+    )
+    out, values = _combine_finish(config, operands, dstarted[5], hidden, dtype, True, False, stage_own=True)
+    return out, values
 
 
 def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None) -> tuple:
@@ -270,37 +285,52 @@ def combine(
     return out, (values if row_values is not None else None)
 
 
-def _combine_finish(config, token_dest_pos, slot_dest, sent, hidden, dtype, with_values, partial_f32):
-    """A split combine's finish: the [T, H] sums (and the slot values) from what its start staged."""
+def _combine_start(config: Config, operands: tuple, *, partial_f32: bool, stage_own: bool) -> jax.Array:
+    """A split combine's send phase; returns the start's output ``sent`` (float32 [1])."""
+    (sent,) = _call(
+        "jax_ep_combine_start",
+        (_result(operands[0], (1,), jnp.float32),),
+        *operands,
+        config=config,
+        partial_f32=partial_f32,
+        stage_own=stage_own,
+    )
+    return sent
+
+
+def _combine_finish(config, operands, sent, hidden, dtype, with_values, partial_f32, *, stage_own):
+    """A split combine's receive phase: the [T, H] sums (and the slot values, or None)."""
+    like = operands[5]  # token_dest_pos
     results = (
-        _result(token_dest_pos, (config.num_tokens, hidden), dtype),
-        _result(token_dest_pos, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
+        _result(like, (config.num_tokens, hidden), dtype),
+        _result(like, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
     )
     out, values = _call(
-        "jax_ep_combine_finish", results, token_dest_pos, slot_dest, sent, config=config, partial_f32=partial_f32
+        "jax_ep_combine_finish",
+        results,
+        *operands,
+        sent,
+        config=config,
+        partial_f32=partial_f32,
+        stage_own=stage_own,
     )
     return out, (values if with_values else None)
 
 
 def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> tuple:
-    """The send phase, this rank's own partial sums included. Returns ``(sent, g_link)``: the start's output,
-    and a [T, H] placeholder whose cotangent carries combine's output cotangent to :func:`combine_start_backward`."""
-    (sent,) = _call(
-        "jax_ep_combine_start",
-        (_result(rows, (1,), jnp.float32),),
-        *_combine_operands(handle, rows, weights, None),
-        config=handle.config,
-        partial_f32=_partial_f32(rows, partial_dtype),
-    )
-    return sent, jnp.zeros((handle.config.num_tokens, rows.shape[1]), rows.dtype)
+    """The send phase. Returns ``(sent, g_link)``: the start's output, and a [T, H] placeholder whose cotangent
+    carries combine's output cotangent to :func:`combine_start_backward`."""
+    operands = _combine_operands(handle, rows, weights, None)
+    sent = _combine_start(handle.config, operands, partial_f32=_partial_f32(rows, partial_dtype), stage_own=False)
+    return sent, _zeros(rows, (handle.config.num_tokens, rows.shape[1]), rows.dtype)
 
 
 def combine_finish(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: tuple):
-    """The receive phase of :func:`combine_start`'s call: ``[T, H]`` in ``rows``' dtype."""
-    config = handle.config
+    """The receive phase of :func:`combine_start`'s call (this rank's own partial sums from ``rows``)."""
+    operands = _combine_operands(handle, rows, weights, None)
     partial_f32 = _partial_f32(rows, partial_dtype)
-    args = (config, handle.token_dest_pos, handle.slot_dest, started[0], rows.shape[1], rows.dtype, False, partial_f32)
-    return _combine_finish(*args)[0]
+    args = (handle.config, operands, started[0], rows.shape[1], rows.dtype, False, partial_f32)
+    return _combine_finish(*args, stage_own=False)[0]
 
 
 def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
