@@ -62,9 +62,7 @@ def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
 
 def _zeros(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Zeros that vary over the same mesh axes as ``like``: a placeholder whose cotangent carries a value."""
-    zeros = jnp.zeros(shape, dtype)
-    axes = tuple(getattr(jax.typeof(like), "vma", ()))
-    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+    return jax.lax.full_like(like, 0, dtype, shape)
 
 
 def _check_dtype(name: str, value: jax.Array) -> None:
