@@ -687,10 +687,13 @@ def _git(*args: str) -> str | None:
 
 
 def source_version() -> dict[str, Any]:
-    """The commit, the git tree of jax_ep/ at it, and whether jax_ep/ differs from it (the code under test)."""
+    """The commit, the git tree of jax_ep/ at it, and whether jax_ep/ differs from it (the code under test).
+
+    JAX_EP_COMMIT, where set (the device scripts set it: a copied tree's git may name another commit), is the
+    commit."""
     status = _git("status", "--porcelain", "--", "jax_ep")
     return dict(
-        commit=_git("rev-parse", "--short", "HEAD") or "unknown",
+        commit=os.environ.get("JAX_EP_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
         jax_ep_tree=_git("rev-parse", "--short", "HEAD:jax_ep") or "unknown",
         jax_ep_uncommitted=None if status is None else bool(status),
     )
