@@ -76,29 +76,36 @@ def probe() -> None:
 
 
 def reports(output: str, most: int = 20) -> list[dict]:
-    """compute-sanitizer's reports, by their first line: how many, and where the first one of each was
-    (its first indented "at ..." line), so that a run cut short still says what it found."""
-    found: dict[str, dict] = {}
-    last = None
+    """compute-sanitizer's reports, by their first line and the function of their first "at ..." line (offsets
+    dropped): how many of each, so that a run cut short still says what it found and in which kernels."""
+    found: dict[tuple, dict] = {}
+    headline = None
+
+    def count(where: str | None) -> None:
+        entry = found.setdefault((headline, where), {"report": headline, "where": where, "count": 0})
+        entry["count"] += 1
+
     for line in output.splitlines():
         if not line.startswith("========= "):
             continue
         text = line[len("========= ") :]
         if text and not text[0].isspace():
-            if text.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY")):
-                last = None
-                continue
-            key = re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200]
-            last = found.setdefault(key, {"report": key, "count": 0, "first_at": None})
-            last["count"] += 1
-        elif last is not None and last["first_at"] is None and text.strip().startswith("at "):
-            last["first_at"] = text.strip()[:200]
+            if headline is not None:
+                count(None)  # the previous report named no device function
+            headline = None
+            if not text.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY")):
+                headline = re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200]
+        elif headline is not None and text.strip().startswith("at "):
+            count(re.sub(r"\+0x[0-9a-f]+", "", text.strip()[3:])[:200])
+            headline = None
+    if headline is not None:
+        count(None)
     return sorted(found.values(), key=lambda r: -r["count"])[:most]
 
 
 def run_tool(tool: str, timeout: float) -> dict:
     only_ours = [] if tool == "initcheck" else ["--kernel-name", "kns=jax_ep"]
-    command = ["compute-sanitizer", "--tool", tool, *only_ours, "--error-exitcode", "17"]
+    command = ["compute-sanitizer", "--tool", tool, *only_ours, "--print-limit", "1000000", "--error-exitcode", "17"]
     command += [sys.executable, str(Path(__file__).resolve()), "probe"]
     start = time.time()
     try:
@@ -150,7 +157,7 @@ def main() -> None:
         verdict = "clean" if clean else "NOT clean"
         print(f"{tool:10s} errors {r['errors']}  exit {r['exit_status']}  {r['seconds']:6.1f} s  {verdict}")
         for report in r["reports"]:
-            print(f"    {report['count']:5d} x {report['report']}  ({report['first_at'] or 'no device frame'})")
+            print(f"    {report['count']:5d} x {report['report']}  (in {report['where'] or 'no device function'})")
 
 
 if __name__ == "__main__":
