@@ -806,8 +806,15 @@ def campaign(
     return report
 
 
+def _each(reports: list[dict[str, Any]], key: str, default: Any = None) -> list[Any]:
+    """Every report's ``key``, a merged report's list taken apart."""
+    values = [r.get(key, default) for r in reports]
+    return [v for value in values for v in (value if isinstance(value, list) else [value])]
+
+
 def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from several runs (e.g. a campaign split by R): counts and times added, lists joined."""
+    """One report from several runs (e.g. a campaign split by R, or reports merged before): counts and times
+    added, lists joined."""
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in reports:
         for category, values in r["counts"].items():
@@ -816,25 +823,26 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     cases = sum(r["cases"] for r in reports)
     return dict(
         tool="tests/fuzz.py",
-        backend=sorted({r["backend"] for r in reports}),
+        backend=sorted(set(_each(reports, "backend"))),
         platform=reports[0]["platform"],
         jax_version=reports[0]["jax_version"],
-        commit=sorted({r["commit"] for r in reports}),
-        jax_ep_tree=sorted({r.get("jax_ep_tree", "unknown") for r in reports}),
-        jax_ep_uncommitted=sorted({str(r.get("jax_ep_uncommitted")) for r in reports}),
+        commit=sorted(set(_each(reports, "commit"))),
+        jax_ep_tree=sorted(set(_each(reports, "jax_ep_tree", "unknown"))),
+        jax_ep_uncommitted=sorted({str(v) for v in _each(reports, "jax_ep_uncommitted")}),
         commands=[c for r in reports for c in r.get("commands", [r.get("command")])],
-        campaign_seed=sorted({r["campaign_seed"] for r in reports}),
+        campaign_seed=sorted(set(_each(reports, "campaign_seed"))),
         ranks=sorted({x for r in reports for x in r["ranks"]}),
         cases=cases,
         mismatching_cases=sum(r["mismatching_cases"] for r in reports),
         counts={k: dict(sorted(v.items())) for k, v in sorted(counts.items())},
         time=dict(
-            runs=[dict(command=r.get("command"), **r["time"]) for r in reports],
+            runs=[run for r in reports for run in r["time"].get("runs", [dict(command=r.get("command"), **r["time"])])],
             wall_s=round(wall, 2),
             cases_per_s=round(cases / wall, 2),
         ),
         mismatches=[m for r in reports for m in r["mismatches"]],
         buckets=[b for r in reports for b in r["buckets"]],
+        notes=[n for n in _each(reports, "notes", []) + [r["note"] for r in reports if "note" in r]],
     )
 
 

@@ -257,3 +257,21 @@ def test_tolerances_follow_the_contract():
     assert 2 * 2.0**-8 < two < 2.1 * 2.0**-8 and 2.0**-8 < one < 1.1 * 2.0**-8
     assert fuzz.tolerances(dataclasses.replace(b, y_dtype="float32"))["combine"] < 1e-5
     assert jnp.dtype(b.y_dtype) == jnp.bfloat16
+
+
+def test_merged_reports_merge_again():
+    """--merge takes reports that were merged before: cases add up, and commits, seeds and runs are joined."""
+
+    def report(seed, commit, cases):
+        time = dict(wall_s=float(cases), cases_per_s=1.0)
+        return dict(
+            backend="cuda", platform="gpu", jax_version="0", commit=commit, jax_ep_tree="t", jax_ep_uncommitted=False,
+            command=f"run {seed}", campaign_seed=seed, ranks=[1], cases=cases, mismatching_cases=0,
+            counts={"by_ranks": {"1": cases}}, time=time, mismatches=[], buckets=[],
+        )  # fmt: skip
+
+    first = fuzz.merge([report(11, "a", 3), report(12, "b", 4)])
+    both = fuzz.merge([first, report(13, "c", 5)])
+    assert both["cases"] == 12 and both["counts"]["by_ranks"] == {"1": 12}
+    assert both["commit"] == ["a", "b", "c"] and both["campaign_seed"] == [11, 12, 13]
+    assert [run["command"] for run in both["time"]["runs"]] == ["run 11", "run 12", "run 13"]
