@@ -24,6 +24,15 @@ def default_capacity(
     Ragged: ``R*T*min(K, L) + L*(expert_alignment-1)``; expert: ``R*T``. With
     distinct expert ids per token nothing is ever dropped at this size.
     """
+    for name, value in (("num_ranks", num_ranks), ("num_tokens", num_tokens), ("topk", topk)):
+        check_positive_int(name, value)
+    num_experts = check_positive_int("num_experts", num_experts)
+    expert_alignment = check_positive_int("expert_alignment", expert_alignment)
+    check_choice("layout", layout, LAYOUTS)
+    if num_experts % num_ranks:
+        raise ValueError(
+            f"jax_ep.default_capacity: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}"
+        )
     local_experts = num_experts // num_ranks
     if layout == "ragged":
         return num_ranks * num_tokens * min(topk, local_experts) + local_experts * (expert_alignment - 1)

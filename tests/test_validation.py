@@ -318,3 +318,20 @@ def test_combine_partial_dtype_floating_traces(partial_dtype):
 
     out = trace(fn, GOOD["x"], GOOD["topk_idx"], GOOD["topk_weights"])
     assert out.shape == (R * T, H) and out.dtype == jnp.float16
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(num_experts=10), ValueError, "multiple of num_ranks=4"),
+        (dict(layout="experts"), ValueError, "layout"),
+        (dict(expert_alignment=0), ValueError, "expert_alignment"),
+        (dict(num_ranks=0), ValueError, "num_ranks"),
+        (dict(topk=2.0), TypeError, "topk"),
+    ],
+)
+def test_default_capacity_checks_its_arguments(kwargs, error, match):
+    sizes = {**dict(num_ranks=4, num_tokens=8, topk=2, num_experts=16), **kwargs}
+    with pytest.raises(error, match=match):
+        jax_ep.default_capacity(**sizes)
+    assert jax_ep.default_capacity(num_ranks=4, num_tokens=8, topk=2, num_experts=16, expert_alignment=4) == 76
