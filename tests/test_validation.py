@@ -335,3 +335,13 @@ def test_default_capacity_checks_its_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         jax_ep.default_capacity(**sizes)
     assert jax_ep.default_capacity(num_ranks=4, num_tokens=8, topk=2, num_experts=16, expert_alignment=4) == 76
+
+
+def test_backend_cuda_on_cpu_devices_says_it_needs_gpus():
+    """Not "call initialize" (which refuses CPU meshes): the reason is the devices."""
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=4, axis_name="ep", backend="cuda").x
+
+    with pytest.raises(ValueError, match="runs on NVIDIA GPUs, and jax's devices here are cpu devices"):
+        ep_jit(body, 2)(np.ones((2, 4, 8), np.float32), np.zeros((2, 4, 2), np.int32), np.ones((2, 4, 2), np.float32))

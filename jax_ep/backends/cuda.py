@@ -38,6 +38,8 @@ def on_gpus() -> bool:
 
 def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int) -> tuple[int | None, str]:
     """The id of the group that can serve this dispatch, or None and why not."""
+    if not on_gpus():
+        return None, f"it runs on NVIDIA GPUs, and jax's devices here are {jax.default_backend()} devices"
     if not _group.available():
         return None, _group.unavailable_reason()
     group = _group.group_for(axis_name)
