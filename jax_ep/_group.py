@@ -15,6 +15,7 @@ import json
 import os
 import socket
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,7 +46,23 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
-    return "" if _import_error is None else f"the jax_ep CUDA extension did not load ({_import_error})"
+    return "" if _import_error is None else why_not_loaded(_import_error, Path(__file__).parent)
+
+
+def why_not_loaded(error: ImportError, package: Path) -> str:
+    """What a failed import of the extension means, and what to do, for the jax_ep package at ``package``."""
+    root = package.parent
+    if not any(package.glob("_jax_ep_cuda*")) and (root / "pyproject.toml").is_file() and (root / "ffi").is_dir():
+        return (
+            f"the jax_ep CUDA extension did not load: this jax_ep is the source tree {package}, which holds no "
+            f"built extension (Python found it first because it started in {root}). Run from another directory "
+            "to use the installed jax_ep, or build in place with `python -m pip install --no-build-isolation -e .` "
+            f"(BUILD.md). The import said: {error}"
+        )
+    return (
+        f"the jax_ep CUDA extension did not load ({error}): jax_ep was built without CUDA, or the CUDA runtime or "
+        "NCCL libraries it needs were not found; BUILD.md says how to build and run it"
+    )
 
 
 def extension() -> Any:

@@ -345,3 +345,19 @@ def test_backend_cuda_on_cpu_devices_says_it_needs_gpus():
 
     with pytest.raises(ValueError, match="runs on NVIDIA GPUs, and jax's devices here are cpu devices"):
         ep_jit(body, 2)(np.ones((2, 4, 8), np.float32), np.zeros((2, 4, 2), np.int32), np.ones((2, 4, 2), np.float32))
+
+
+def test_the_missing_extension_reason_says_what_happened(tmp_path):
+    """Imported from a source checkout with no built extension: not "circular import", but where and what to do."""
+    from jax_ep._group import why_not_loaded
+
+    error = ImportError("cannot import name '_jax_ep_cuda' from partially initialized module 'jax_ep'")
+    package = tmp_path / "jax_ep"
+    package.mkdir()
+    (tmp_path / "ffi").mkdir()
+    (tmp_path / "pyproject.toml").write_text("")
+    reason = why_not_loaded(error, package)
+    assert f"source tree {package}" in reason and "Run from another directory" in reason
+    (package / "_jax_ep_cuda.cpython-311-x86_64-linux-gnu.so").write_text("")
+    reason = why_not_loaded(ImportError("libnccl.so.2: cannot open shared object file"), package)
+    assert "libnccl.so.2" in reason and "BUILD.md" in reason and "source tree" not in reason
