@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ._api import combine_finish, combine_start, dispatch_finish, dispatch_start
+from ._api import combine, dispatch, dispatch_finish, dispatch_start
 from ._fp8 import check_wire_dtype
 from ._grouped_matmul import grouped_matmul
 from ._types import LAYOUTS
@@ -181,11 +181,12 @@ class MoE(nnx.Module):
           wire_dtype: passed to :func:`jax_ep.dispatch`: None, or
             ``jnp.float8_e4m3fn`` to send tokens as FP8 (``hidden`` a multiple
             of 128).
-          overlap: use the split ops (:func:`jax_ep.dispatch_start` /
-            ``dispatch_finish``, ``combine_start`` / ``combine_finish``) and
-            compute the shared expert between a start and its finish
-            (pinned there by ``jax.lax.optimization_barrier``), so it runs
-            while the peers' tokens travel. Same results as without.
+          overlap: dispatch with the split ops (:func:`jax_ep.dispatch_start`
+            / ``dispatch_finish``) and compute the shared expert between the
+            start and the finish (pinned there by
+            ``jax.lax.optimization_barrier``), so it runs while the peers'
+            tokens travel. Same results as without; no effect without a
+            shared expert (the whole ops then save the split's extra launch).
           param_dtype: dtype of the expert weights.
           rngs: ``nnx.Rngs`` with a ``params`` stream.
         """
@@ -284,10 +285,7 @@ class MoE(nnx.Module):
 
         shared = None
         with jax.named_scope("dispatch"):
-            pending = dispatch_start(
-                x,
-                topk_idx,
-                topk_weights,
+            kw = dict(
                 num_experts=self.num_experts,
                 axis_name=self.axis_name,
                 layout=self.layout,
@@ -297,9 +295,12 @@ class MoE(nnx.Module):
             )
             if self.overlap and "shared" in params:
                 # Optimization barriers pin the shared expert between the start and the finish in XLA's schedule.
+                pending = dispatch_start(x, topk_idx, topk_weights, **kw)
                 x_shared, pending = jax.lax.optimization_barrier((x, pending))
                 shared, pending = jax.lax.optimization_barrier((shared_expert(x_shared), pending))
-            d = dispatch_finish(pending)
+                d = dispatch_finish(pending)
+            else:
+                d = dispatch(x, topk_idx, topk_weights, **kw)
         with jax.named_scope("experts"):
             if self.layout == "ragged":
                 matmul = functools.partial(grouped_matmul, group_sizes=d.group_sizes)
@@ -307,7 +308,7 @@ class MoE(nnx.Module):
                 matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
             y = _mlp(d.x, params["experts"], matmul, self.activation)
         with jax.named_scope("combine"):
-            out = combine_finish(combine_start(y, d.handle, weights=d.weights))
+            out = combine(y, d.handle, weights=d.weights)
         if "shared" in params:
             out = out + (shared if shared is not None else shared_expert(x))
 

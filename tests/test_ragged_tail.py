@@ -122,11 +122,11 @@ def test_nan_in_the_ragged_tail_does_not_reach_the_moe_layer(monkeypatch):
     nnx = pytest.importorskip("flax.nnx")
     import jax_ep.nn
 
-    real_finish = jax_ep.nn.dispatch_finish  # the layer dispatches with dispatch_start / dispatch_finish
+    real_dispatch = jax_ep.nn.dispatch  # the layer without overlap dispatches with jax_ep.dispatch
     poisoned_calls = []
 
     def dispatch_with_nan_tail(*args, **kwargs):
-        d = nan_tail(real_finish(*args, **kwargs))
+        d = nan_tail(real_dispatch(*args, **kwargs))
         jax.debug.callback(lambda n: poisoned_calls.append(int(n)), jnp.isnan(d.x).sum())
         return d
 
@@ -145,7 +145,7 @@ def test_nan_in_the_ragged_tail_does_not_reach_the_moe_layer(monkeypatch):
             return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
 
     clean = run()
-    monkeypatch.setattr(jax_ep.nn, "dispatch_finish", dispatch_with_nan_tail)
+    monkeypatch.setattr(jax_ep.nn, "dispatch", dispatch_with_nan_tail)
     poisoned = run()
     jax.effects_barrier()
     assert poisoned_calls and sum(poisoned_calls) > 0, "the tail was never filled with NaN"
