@@ -4,15 +4,16 @@
     python bench/sanitize.py probe    # what each tool runs: every op and gradient on a few shapes
 
 The probe runs jitted dispatch -> combine and its gradients (which call all four kernels: routing, dispatch,
-combine, combine's backward) for both layouts, float32 and bfloat16, H aligned (256) and not (1001), with
-alignment padding, drops (a small capacity), invalid ids and -1 slots, then checks each result against backend
-"xla" so that a sanitizer run which changed the results fails too. memcheck, racecheck and synccheck check only
-kernels whose name holds ``jax_ep`` (``--kernel-name kns=jax_ep``): XLA's own kernels are not ours to fix, and
-checking them takes most of the time. initcheck checks every kernel: it sees only the writes of the kernels it
-instruments, so with the filter every value an XLA kernel wrote (say ``y`` of a combine) reads as uninitialized
-(55,042 such reports in one filtered run at ``1b7a7c3``). OUT.json records, per tool: the command, its exit
-status, the sanitizer's error summary, each kind of report it printed (its first line, how many, where the first
-was) and the tail of its output.
+combine, combine's backward), whole and through the split ops (each kernel's send and receive launches apart, and
+the combine of dispatch_start's backward pass, which stages this rank's own sums), for both layouts, float32 and
+bfloat16, H aligned (256) and not (1001), with alignment padding, drops (a small capacity), invalid ids and -1
+slots, then checks each result against backend "xla" so that a sanitizer run which changed the results fails too.
+memcheck, racecheck and synccheck check only kernels whose name holds ``jax_ep`` (``--kernel-name kns=jax_ep``):
+XLA's own kernels are not ours to fix, and checking them takes most of the time. initcheck checks every kernel: it
+sees only the writes of the kernels it instruments, so with the filter every value an XLA kernel wrote (say ``y`` of
+a combine) reads as uninitialized (55,042 such reports in one filtered run at ``1b7a7c3``). OUT.json records, per
+tool: the command, its exit status, the sanitizer's error summary, each kind of report it printed (its first line
+and device function, how many) and the tail of its output.
 """
 
 from __future__ import annotations
@@ -54,35 +55,43 @@ def probe() -> None:
     for layout, dtype, hidden, capacity, alignment in CASES:
         x = jnp.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32) + 0.5, dtype)
 
-        def step(x, w, backend, layout=layout, capacity=capacity, alignment=alignment):
+        def step(x, w, backend, split, layout=layout, capacity=capacity, alignment=alignment):
             def body(x, idx, w):
                 kw = dict(layout=layout, capacity=capacity, expert_alignment=alignment, backend=backend)
-                d = jax_ep.dispatch(x, idx, w, num_experts=experts, axis_name="ep", **kw)
-                return jax_ep.combine(jnp.tanh(d.x) * 1.5, d.handle, weights=d.weights)
+                kw.update(num_experts=experts, axis_name="ep")
+                if not split:
+                    d = jax_ep.dispatch(x, idx, w, **kw)
+                    return jax_ep.combine(jnp.tanh(d.x) * 1.5, d.handle, weights=d.weights)
+                d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
+                return jax_ep.combine_finish(jax_ep.combine_start(jnp.tanh(d.x) * 1.5, d.handle, weights=d.weights))
 
             out = jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))(x, jnp.asarray(idx), w)
             return jnp.sum(jnp.sin(out.astype(jnp.float32)))
 
+        run = jax.jit(jax.value_and_grad(step, argnums=(0, 1)), static_argnums=(2, 3))
         with jax.set_mesh(mesh):
-            got = jax.jit(jax.value_and_grad(step, argnums=(0, 1)), static_argnums=2)(x, weights, "cuda")
-            want = jax.jit(jax.value_and_grad(step, argnums=(0, 1)), static_argnums=2)(x, weights, "xla")
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            tol = 1e-4 if dtype == "float32" else 3e-2
-            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())))
-        print(f"probe {layout} {dtype} H={hidden} capacity={capacity}: cuda matches xla", flush=True)
+            want = run(x, weights, "xla", False)
+            for split in (False, True):
+                got = run(x, weights, "cuda", split)
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+                    tol = 1e-4 if dtype == "float32" else 3e-2
+                    np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max())))
+        print(f"probe {layout} {dtype} H={hidden} capacity={capacity}: cuda matches xla, whole and split", flush=True)
     jax_ep.finalize()
     print("probe done", flush=True)
 
 
 def reports(output: str, most: int = 20) -> list[dict]:
-    """compute-sanitizer's reports, by their first line and the function of their first "at ..." line (offsets
-    dropped): how many of each, so that a run cut short still says what it found and in which kernels."""
+    """compute-sanitizer's reports, by their first line and the function of their first "at ..." line: how many
+    of each, and that line of the first one, so that a run cut short still says what it found and in which
+    kernels."""
     found: dict[tuple, dict] = {}
     headline = None
 
-    def count(where: str | None) -> None:
-        entry = found.setdefault((headline, where), {"report": headline, "where": where, "count": 0})
+    def count(at: str | None) -> None:
+        where = None if at is None else re.sub(r"\+0x[0-9a-f]+.*$", "", at)
+        entry = found.setdefault((headline, where), {"report": headline, "where": where, "count": 0, "first_at": at})
         entry["count"] += 1
 
     for line in output.splitlines():
@@ -96,7 +105,7 @@ def reports(output: str, most: int = 20) -> list[dict]:
             if not text.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY")):
                 headline = re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200]
         elif headline is not None and text.strip().startswith("at "):
-            count(re.sub(r"\+0x[0-9a-f]+", "", text.strip()[3:])[:200])
+            count(text.strip()[3:][:200])
             headline = None
     if headline is not None:
         count(None)

@@ -228,8 +228,9 @@ def test_floors_count_hbm_bytes():
     assert targets.role(4096) == "training" and targets.role(128) == "decode" and targets.role(64) == "tokens_64"
 
 
-def test_sanitizer_reports_are_counted_by_their_first_line():
-    """bench/sanitize.py keeps each kind of report and where it was seen first, even from a cut-short run."""
+def test_sanitizer_reports_are_counted_by_their_first_line_and_function():
+    """bench/sanitize.py counts each kind of report in each device function, and keeps where it was seen first,
+    even from a cut-short run."""
     output = "\n".join(
         [
             "========= COMPUTE-SANITIZER",
@@ -240,17 +241,22 @@ def test_sanitizer_reports_are_counted_by_their_first_line():
             "probe ragged float32 H=256 capacity=None: cuda matches xla",
             "========= Uninitialized __global__ memory read of size 4 bytes",
             "=========     at jax_ep::DispatchKernel(jax_ep::Params)+0x1b0 in dispatch.cu:121",
+            "========= Uninitialized __global__ memory read of size 4 bytes",
+            "=========     at loop_multiply_fusion+0x90",
             "========= Host API memory access error at 0x7f00 in cudaMemcpyAsync",
             "=========     Host Frame: x",
-            "========= ERROR SUMMARY: 3 errors",
+            "========= ERROR SUMMARY: 4 errors",
         ]
     )
     found = _script("sanitize").reports(output)
+    read = "Uninitialized __global__ memory read of size 4 bytes"
     assert found == [
         {
-            "report": "Uninitialized __global__ memory read of size 4 bytes",
+            "report": read,
+            "where": "jax_ep::DispatchKernel(jax_ep::Params)",
             "count": 2,
-            "first_at": "at jax_ep::DispatchKernel(jax_ep::Params)+0x1a0 in dispatch.cu:120",
+            "first_at": "jax_ep::DispatchKernel(jax_ep::Params)+0x1a0 in dispatch.cu:120",
         },
-        {"report": "Host API memory access error at 0x… in cudaMemcpyAsync", "count": 1, "first_at": None},
+        {"report": read, "where": "loop_multiply_fusion", "count": 1, "first_at": "loop_multiply_fusion+0x90"},
+        dict(report="Host API memory access error at 0x… in cudaMemcpyAsync", where=None, count=1, first_at=None),
     ]
