@@ -13,7 +13,7 @@ XLA's own kernels are not ours to fix, and checking them takes most of the time.
 sees only the writes of the kernels it instruments, so with the filter every value an XLA kernel wrote (say ``y`` of
 a combine) reads as uninitialized (55,042 such reports in one filtered run at ``1b7a7c3``). OUT.json records, per
 tool: the command, its exit status, the sanitizer's error summary, each kind of report it printed (its first line
-and device function, how many) and the tail of its output.
+and device function, how many, the first one's location and host frames) and the tail of its output.
 """
 
 from __future__ import annotations
@@ -84,31 +84,32 @@ def probe() -> None:
 
 def reports(output: str, most: int = 20) -> list[dict]:
     """compute-sanitizer's reports, by their first line and the function of their first "at ..." line: how many
-    of each, and that line of the first one, so that a run cut short still says what it found and in which
-    kernels."""
+    of each, and for the first one that line and its first host frames (where a host API call came from), so
+    that a run cut short still says what it found and where."""
     found: dict[tuple, dict] = {}
-    headline = None
+    report: list[str] = []  # the report being read: its first line, then its indented lines
 
-    def count(at: str | None) -> None:
+    def close() -> None:
+        if not report:
+            return
+        at = next((line[3:][:200] for line in report[1:] if line.startswith("at ")), None)
         where = None if at is None else re.sub(r"\+0x[0-9a-f]+.*$", "", at)
-        entry = found.setdefault((headline, where), {"report": headline, "where": where, "count": 0, "first_at": at})
-        entry["count"] += 1
+        frames = [line.split("Host Frame:", 1)[1].strip()[:120] for line in report if "Host Frame:" in line][:12]
+        entry = dict(report=report[0], where=where, count=0, first_at=at, first_host_frames=frames)
+        found.setdefault((report[0], where), entry)["count"] += 1
+        report.clear()
 
     for line in output.splitlines():
         if not line.startswith("========= "):
             continue
         text = line[len("========= ") :]
         if text and not text[0].isspace():
-            if headline is not None:
-                count(None)  # the previous report named no device function
-            headline = None
+            close()
             if not text.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "LEAK SUMMARY", "RACECHECK SUMMARY")):
-                headline = re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200]
-        elif headline is not None and text.strip().startswith("at "):
-            count(text.strip()[3:][:200])
-            headline = None
-    if headline is not None:
-        count(None)
+                report.append(re.sub(r"0x[0-9a-f]+", "0x…", text.strip())[:200])
+        elif report:
+            report.append(text.strip())
+    close()
     return sorted(found.values(), key=lambda r: -r["count"])[:most]
 
 

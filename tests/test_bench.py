@@ -244,19 +244,24 @@ def test_sanitizer_reports_are_counted_by_their_first_line_and_function():
             "========= Uninitialized __global__ memory read of size 4 bytes",
             "=========     at loop_multiply_fusion+0x90",
             "========= Host API memory access error at 0x7f00 in cudaMemcpyAsync",
-            "=========     Host Frame: x",
+            "=========     Host Frame: cudaMemcpyAsync [0x1] in libcudart.so",
+            "=========     Host Frame: Publish in group.cc:245",
             "========= ERROR SUMMARY: 4 errors",
         ]
     )
     found = _script("sanitize").reports(output)
     read = "Uninitialized __global__ memory read of size 4 bytes"
+    kernel = "jax_ep::DispatchKernel(jax_ep::Params)"
+    host = ["PjitFunction::Call [0x7c2fee8] in libjax_common.so"]
     assert found == [
-        {
-            "report": read,
-            "where": "jax_ep::DispatchKernel(jax_ep::Params)",
-            "count": 2,
-            "first_at": "jax_ep::DispatchKernel(jax_ep::Params)+0x1a0 in dispatch.cu:120",
-        },
-        {"report": read, "where": "loop_multiply_fusion", "count": 1, "first_at": "loop_multiply_fusion+0x90"},
-        dict(report="Host API memory access error at 0x… in cudaMemcpyAsync", where=None, count=1, first_at=None),
+        dict(report=read, where=kernel, count=2, first_at=f"{kernel}+0x1a0 in dispatch.cu:120", first_host_frames=host),
+        dict(report=read, where="loop_multiply_fusion", count=1, first_at="loop_multiply_fusion+0x90")
+        | dict(first_host_frames=[]),
+        dict(
+            report="Host API memory access error at 0x… in cudaMemcpyAsync",
+            where=None,
+            count=1,
+            first_at=None,
+            first_host_frames=["cudaMemcpyAsync [0x1] in libcudart.so", "Publish in group.cc:245"],
+        ),
     ]
