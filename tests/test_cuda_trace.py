@@ -1,7 +1,7 @@
 """The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs).
 
-There are no GPUs, so no :class:`jax_ep.Group`: the tests put a stand-in group for axis "ep" into
-``jax_ep._group``'s registry, which is where ``backends/cuda.py:find_group`` looks. Where the CUDA
+There are no GPUs, so no :class:`jax_ep.Group`: the tests take the CPU devices for GPUs and put a stand-in group
+for axis "ep" into ``jax_ep._group``'s registry, which is where ``backends/cuda.py:find_group`` looks. Where the CUDA
 extension is not built, a stand-in extension that registers no FFI target takes its place: tracing
 never looks a target up (only compiling does), so the calls are checked on every machine.
 """
@@ -25,7 +25,11 @@ GROUP_ID = 4242
 
 @pytest.fixture
 def extension(monkeypatch):
-    """The CUDA extension, or a stand-in that registers nothing when it is not built."""
+    """The CUDA extension, or a stand-in that registers nothing when it is not built; and the CPU devices taken
+    for GPUs, so that backend "cuda" traces here."""
+    from jax_ep.backends import cuda
+
+    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
     if not _group.available():
         fake = SimpleNamespace(type_registrations=dict, registrations=dict)
         monkeypatch.setattr(_group, "_extension", fake)
