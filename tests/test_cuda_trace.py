@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep import _group
 
-TARGETS = ("jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_backward")
+TARGETS = tuple(
+    f"jax_ep_{op}{half}" for op in ("dispatch", "combine", "combine_backward") for half in ("", "_start", "_finish")
+)
 GROUP_ID = 4242
 
 
@@ -105,6 +107,32 @@ def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, extension
         "row_slot": (capacity if layout == "ragged" else 4 * capacity,),
     }
     assert all(leaf.dtype == jnp.int32 for leaf in jax.tree_util.tree_leaves(d.handle))
+
+
+@pytest.mark.parametrize("wire_dtype", [None, jnp.float8_e4m3fn])
+def test_the_split_ops_and_their_backward_passes_trace(monkeypatch, extension, wire_dtype):
+    """Each half is one FFI call, forward and backward (dispatch's backward: a start and a finish of the staged
+    combine); every custom VJP's cotangents have its inputs' types, mesh-axis variance included."""
+    _stand_in_group(monkeypatch)
+    x = jax.ShapeDtypeStruct((8, 128), jnp.bfloat16)
+
+    def moe(x, idx, w):
+        kw = dict(num_experts=8, axis_name="ep", backend="cuda", wire_dtype=wire_dtype)
+        d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
+        return jax_ep.combine_finish(jax_ep.combine_start(jnp.tanh(d.x), d.handle, weights=d.weights))
+
+    def loss(x, idx, w):
+        return jnp.sum(jax.shard_map(moe, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w).astype(jnp.float32))
+
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        forward = _targets(str(jax.make_jaxpr(loss)(x, *ARGS[1:])))
+        grads = jax.eval_shape(jax.grad(loss, argnums=(0, 2)), x, *ARGS[1:])
+        both = _targets(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(x, *ARGS[1:])))
+    assert [(g.shape, g.dtype) for g in grads] == [((8, 128), jnp.bfloat16), ((8, 2), jnp.float32)]
+    halves = {f"jax_ep_{op}_{half}": 1 for op in ("dispatch", "combine") for half in ("start", "finish")}
+    assert forward == halves
+    backward = {"jax_ep_combine_backward_start": 1, "jax_ep_combine_backward_finish": 1}
+    assert both == halves | backward | {"jax_ep_combine_start": 2, "jax_ep_combine_finish": 2}
 
 
 def test_combine_partial_dtype_float32_traces(monkeypatch, extension):
