@@ -207,13 +207,14 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   const int64_t send_items = sources * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
+  const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     const auto kernel = stage_own ? CombineKernel<Y, P, true> : CombineKernel<Y, P, false>;
     kernel<<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineKernel");
-  });
+  };
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }
 
 }  // namespace

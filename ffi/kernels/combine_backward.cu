@@ -269,12 +269,13 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   const int64_t recv_items = std::max(units * p.recv_pieces.value, (p.num_rows + 31) / 32);
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
+  const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineBackwardKernel");
-  });
+  };
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }
 
 }  // namespace

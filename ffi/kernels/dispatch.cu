@@ -427,12 +427,13 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
       !(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
     return status;
   }
-  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, [&](bool send, bool receive, int64_t items) {
+  const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
     DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
-  });
+  };
+  return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }
 
 Status PrepareKernels() {

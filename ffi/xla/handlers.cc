@@ -383,7 +383,8 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
   call.partial_f32 = partial_f32;
   call.stage_own = stage_own;
   call.out = out == nullptr ? nullptr : (*out)->untyped_data();
-  call.slot_values = has_values && slot_values != nullptr ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr;
+  const bool write_values = has_values && slot_values != nullptr;
+  call.slot_values = write_values ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr;
   call.sent = DataOf(sent);
   return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
