@@ -5,6 +5,7 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh tests
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh sanitize  # memcheck, racecheck, synccheck, initcheck
 # "all" builds this tree only, then runs, each step under a time limit that keeps the whole within 570 s of the
 # start: the GPU tests (bench/gpu_tests.py, <= 240 s), ncu's kernel times of one dispatch + combine at T=128 and
 # T=4096 (bench/profile_kernels.py, <= 60 s each) and bench/one_gpu_targets.py (<= 150 s), then prints one table.
@@ -84,6 +85,14 @@ ncu_summary() {  # tokens: the last call's kernels by op, into $OUT/kernels_<tok
   PYTHONPATH="$builds/current" timeout 60 python3 "$repo/bench/profile_kernels.py" summarize \
     "/tmp/kernels_$1.csv" "$OUT/kernels_$1.json" --tokens "$1"
 }
+if [ "$stage" = sanitize ]; then  # the four compute-sanitizer tools over bench/sanitize.py's probe, one by one
+  for tool in memcheck racecheck synccheck initcheck; do
+    JAX_EP_COMMAND="XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 python bench/sanitize.py OUT/sanitize_$tool.json --tools $tool \
+--timeout 130" XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 PYTHONPATH="$builds/current" timeout -k 10 145 \
+      python3 "$repo/bench/sanitize.py" "$OUT/sanitize_$tool.json" --tools "$tool" --timeout 130 2>&1 | tail -8
+  done
+  exit 0
+fi
 if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute
   for tokens in 128 4096; do
     ncu_run "$tokens" 200 > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
