@@ -333,6 +333,26 @@ ffi::Error CombineBackwardFinish(cudaStream_t stream, int32_t ordinal, GroupStat
                             recv_rows, recv_counts, row_slot, axis_index, &dy, &dweights, nullptr, Phase::kFinish);
 }
 
+// The part of a combine call that every phase fills: where the tokens went, the shapes, and the outputs (null
+// in a start).
+CombineCall CombineCallOf(I32Scalar axis_index, I32Matrix token_dest_pos, I32Matrix slot_dest, int64_t num_tokens,
+                          int64_t hidden, int64_t topk, FloatType type, bool partial_f32, bool stage_own, void* out,
+                          float* slot_values) {
+  CombineCall call{};
+  call.axis_index = axis_index.typed_data();
+  call.token_dest_pos = token_dest_pos.typed_data();
+  call.slot_dest = slot_dest.typed_data();
+  call.num_tokens = num_tokens;
+  call.hidden = hidden;
+  call.topk = topk;
+  call.type = type;
+  call.partial_f32 = partial_f32;
+  call.stage_own = stage_own;
+  call.out = out;
+  call.slot_values = slot_values;
+  return call;
+}
+
 // out and slot_values: null in a start; sent: a start's output, else null.
 ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, GroupState* state, bool partial_f32,
                       ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
@@ -367,24 +387,15 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(slot_values, T * K),
                                 "[T, K] with row_values", DimsOf(slot_values)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
-  CombineCall call{};
+  const bool write_values = has_values && slot_values != nullptr;
+  CombineCall call = CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, stage_own,
+                                   out == nullptr ? nullptr : (*out)->untyped_data(),
+                                   write_values ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr);
   call.y = y.untyped_data();
   call.weights = has_weights ? weights.typed_data() : nullptr;
   call.row_values = has_values ? row_values.typed_data() : nullptr;
-  call.axis_index = axis_index.typed_data();
   call.recv_rows = recv_rows.typed_data();
   call.recv_counts = recv_counts.typed_data();
-  call.token_dest_pos = token_dest_pos.typed_data();
-  call.slot_dest = slot_dest.typed_data();
-  call.num_tokens = T;
-  call.hidden = H;
-  call.topk = K;
-  call.type = *type;
-  call.partial_f32 = partial_f32;
-  call.stage_own = stage_own;
-  call.out = out == nullptr ? nullptr : (*out)->untyped_data();
-  const bool write_values = has_values && slot_values != nullptr;
-  call.slot_values = write_values ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr;
   call.sent = DataOf(sent);
   return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
@@ -436,18 +447,9 @@ ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state
   const bool has_values = slot_values->element_count() != 0;
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(&slot_values, T * K), "[T, K] or [0]",
                                 DimsOf(&slot_values)));
-  CombineCall call{};
-  call.axis_index = axis_index.typed_data();
-  call.token_dest_pos = token_dest_pos.typed_data();
-  call.slot_dest = slot_dest.typed_data();
-  call.num_tokens = T;
-  call.hidden = H;
-  call.topk = K;
-  call.type = *type;
-  call.partial_f32 = partial_f32;
-  call.stage_own = true;
-  call.out = out->untyped_data();
-  call.slot_values = has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr;
+  const CombineCall call =
+      CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, true, out->untyped_data(),
+                    has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr);
   return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, Phase::kFinish));
 }
 
