@@ -9,7 +9,8 @@ experts per token (``jax_ep.bench.timing.make_inputs``: normal tokens, uniform w
 
 * ``copy``: the GPU's device-to-device copy bandwidth, measured in this run: ``cudaMemcpyPeerAsync`` of 1 GiB from
   the GPU to itself (the extension's ``peer_copy_seconds``), bandwidth = 2 * bytes / seconds (read + write), best
-  of 5 measurements of 20 copies each.
+  of 5 measurements of 20 copies each; and its write-only bandwidth, ``cudaMemsetAsync`` of 1 GiB the same way
+  (``fill``, bandwidth = bytes / seconds).
 * ``check``, ``checked``: on one set of inputs per T, before any timing: backend "cuda" against "xla": dispatch's
   ``x`` and ``weights`` equal bit for bit on the specified rows (``row < sum(group_sizes)``), ``group_sizes`` and
   the counts equal; combine (``weights=d.weights`` of row-dependent expert outputs) within one bf16 ulp; the loss and
@@ -20,7 +21,8 @@ experts per token (``jax_ep.bench.timing.make_inputs``: normal tokens, uniform w
   loop-variant), and their HBM floors. Dispatch reads x once and writes the delivered rows and their weights:
   ``T*H*2 + D*H*2 + D*4`` bytes; combine reads the delivered rows and weights and writes the tokens:
   ``D*H*2 + D*4 + T*H*2``, with D = delivered rows (the valid slots, T*K for distinct routing at R=1).
-  floor_us = bytes / copy bandwidth; ratio = time / floor (target: at most 1.2). At decode size these loop times
+  floor_us = bytes / copy bandwidth; ratio = time / floor (target: at most 1.2). Beside it, for reading only:
+  ``{op}_write_floor_us``, the op's written bytes alone at the fill bandwidth. At decode size these loop times
   are secondary: the primary decode numbers are the kernels' device time from Nsight Compute
   (bench/profile_kernels.py).
 * ``training_step``: forward and backward of dispatch -> elementwise expert -> combine(weights=d.weights) ->
@@ -54,14 +56,20 @@ def role(tokens: int) -> str:
     return {4096: "training", 128: "decode"}.get(tokens, f"tokens_{tokens}")
 
 
-def floors(tokens: int, hidden: int, delivered: int, bandwidth: float | None) -> dict:
-    """HBM bytes that dispatch and combine must move at least (bf16 rows, float32 weights), and their µs."""
+def floors(tokens: int, hidden: int, delivered: int, bandwidth: float | None, fill: float | None = None) -> dict:
+    """HBM bytes that dispatch and combine must move at least (bf16 rows, float32 weights), and their µs.
+
+    ``fill``: the write-only bandwidth; with it, each op's written bytes alone at that bandwidth.
+    """
     row = hidden * 2
-    dispatch = tokens * row + delivered * row + delivered * 4
-    combine = delivered * row + delivered * 4 + tokens * row
+    written = {"dispatch": delivered * row + delivered * 4, "combine": tokens * row}
+    dispatch = tokens * row + written["dispatch"]
+    combine = delivered * row + delivered * 4 + written["combine"]
     out = {"delivered_rows": delivered, "dispatch_floor_bytes": dispatch, "combine_floor_bytes": combine}
     for op, nbytes in (("dispatch", dispatch), ("combine", combine)):
         out[f"{op}_floor_us"] = nbytes / bandwidth * 1e6 if bandwidth else None
+        if fill:
+            out[f"{op}_write_floor_us"] = written[op] / fill * 1e6
     return out
 
 
@@ -90,7 +98,7 @@ def main(argv: list[str]) -> int:
     from jax_ep import _group
     from jax_ep.bench import timing
     from jax_ep.bench.record import provenance, write
-    from jax_ep.bench.timing import copy_seconds, make_inputs, progress, seconds_per_call, time_backend
+    from jax_ep.bench.timing import copy_seconds, fill_seconds, make_inputs, progress, seconds_per_call, time_backend
 
     assert (TOPK, EXPERTS) == (timing.TOPK, timing.EXPERTS), "make_inputs routes to other shapes"
     on_gpu = args.platform == "gpu"
@@ -163,6 +171,7 @@ def main(argv: list[str]) -> int:
             return {"skipped": cuda_reason}
         ordinal = device.local_hardware_id
         seconds = [copy_seconds(ordinal, ordinal, COPY_BYTES, COPY_ITERS) for _ in range(COPY_REPEATS)]
+        fills = [fill_seconds(ordinal, COPY_BYTES, COPY_ITERS) for _ in range(COPY_REPEATS)]
         return {
             "method": f"cudaMemcpyPeerAsync of {COPY_BYTES} bytes from GPU {ordinal} to itself, mean of "
             f"{COPY_ITERS} copies by CUDA events, {COPY_REPEATS} times; bandwidth = 2 * bytes / best seconds",
@@ -171,10 +180,18 @@ def main(argv: list[str]) -> int:
             "bandwidth_bytes_per_s": 2 * COPY_BYTES / min(seconds),
             "bandwidth_gbps": 2 * COPY_BYTES / min(seconds) / 1e9,
             "median_bandwidth_gbps": 2 * COPY_BYTES / float(np.median(seconds)) / 1e9,
+            "fill": {
+                "method": f"cudaMemsetAsync of {COPY_BYTES} bytes, mean of {COPY_ITERS} by CUDA events, "
+                f"{COPY_REPEATS} times; bandwidth = bytes / best seconds",
+                "seconds": fills,
+                "bandwidth_bytes_per_s": COPY_BYTES / min(fills),
+                "bandwidth_gbps": COPY_BYTES / min(fills) / 1e9,
+            },
         }
 
     copy_result = section("copy", copy)
     bandwidth = copy_result.get("bandwidth_bytes_per_s")
+    fill_bandwidth = copy_result.get("fill", {}).get("bandwidth_bytes_per_s")
 
     inputs = {}
     for tokens in tokens_list:
@@ -307,7 +324,7 @@ def main(argv: list[str]) -> int:
                 delivered = int(np.sum((idx >= 0) & (idx < EXPERTS)))  # R=1, capacity=None: every valid slot
                 result = {"tokens": tokens, "backend": ops_backend}
                 result.update(time_backend(ops_backend, x, idx, w, iters=args.iters))
-                result.update(floors(tokens, args.hidden, delivered, bandwidth))
+                result.update(floors(tokens, args.hidden, delivered, bandwidth, fill_bandwidth))
                 for op in ("dispatch", "combine"):
                     floor = result[f"{op}_floor_us"]
                     result[f"{op}_ratio"] = result[f"{op}_us"] / floor if floor else None
@@ -358,6 +375,8 @@ def table(payload: dict) -> list[str]:
     copy = payload.get("copy", {})
     if "bandwidth_gbps" in copy:
         lines.append(f"copy on the GPU: {copy['bandwidth_gbps']:.0f} GB/s (read + write, {copy['bytes'] / 1e9:.2f} GB)")
+        if "bandwidth_gbps" in copy.get("fill", {}):
+            lines.append(f"fill on the GPU: {copy['fill']['bandwidth_gbps']:.0f} GB/s (write only)")
     else:
         lines.append(f"copy: {copy.get('skipped') or copy.get('error') or 'not measured'}")
     for tokens in payload.get("tokens", []):
@@ -371,6 +390,8 @@ def table(payload: dict) -> list[str]:
             if result.get(f"{op}_floor_us"):
                 cells += f"  floor {result[f'{op}_floor_us']:7.1f} us  ratio {result[f'{op}_ratio']:5.2f}"
                 cells += f" (target <= {FLOOR_RATIO_MAX}: {'met' if result[f'{op}_met'] else 'NOT met'})"
+            if result.get(f"{op}_write_floor_us"):
+                cells += f"  writes alone at the fill rate {result[f'{op}_write_floor_us']:.1f} us"
             if result.get("note"):
                 cells += "  [loop time; ncu's is primary]"
             lines.append(cells)

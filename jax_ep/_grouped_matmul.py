@@ -67,6 +67,13 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 }
 
 
+# From this many groups up the forward and dx take jax_ep's per-group-tile kernel ("tiles"), below it JAX's. On one
+# H200 (bench/results/grouped_matmul_h200x1.json) "tiles" was faster at 256 groups of 128 rows on average (forward
+# 243 against 190 TFLOP/s, dx 216 against 148) and slower at 32 groups (416 against 427, 350 against 357) and at
+# 64 groups of 128 rows with K=4096, N=1024 (196 against 233, 168 against 186); no group count between was measured.
+TILES_FROM_GROUPS = 256
+
+
 def _pick(op: str, k: int, n: int) -> Blocks | None:
     """Tiles for ``op`` of ``[M, k] x [G, k, n]``, or None when no candidate divides the shape."""
     for blocks in _CANDIDATES[op]:
@@ -90,7 +97,7 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     g, _, n = w_shape
     if jnp.dtype(x_dtype) != jnp.dtype(w_dtype) or jnp.dtype(x_dtype) not in MOSAIC_DTYPES or min(m, k, n, g) < 1:
         return None
-    rows = "upstream" if _mosaic.upstream_signature_ok() else "tiles"
+    rows = "upstream" if g < TILES_FROM_GROUPS and _mosaic.upstream_signature_ok() else "tiles"
     plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows)
     return None if plan[:3] == (None, None, None) else plan
 

@@ -225,6 +225,10 @@ def test_floors_count_hbm_bytes():
     assert floors["dispatch_floor_bytes"] == 4096 * row + 32768 * row + 32768 * 4
     assert floors["combine_floor_bytes"] == floors["dispatch_floor_bytes"]
     assert floors["dispatch_floor_us"] == pytest.approx(floors["dispatch_floor_bytes"] / 4e12 * 1e6)
+    assert "dispatch_write_floor_us" not in floors
+    written = targets.floors(4096, 7168, 4096 * 8, 4e12, fill=2e12)
+    assert written["dispatch_write_floor_us"] == pytest.approx((32768 * row + 32768 * 4) / 2e12 * 1e6)
+    assert written["combine_write_floor_us"] == pytest.approx(4096 * row / 2e12 * 1e6)
     assert targets.role(4096) == "training" and targets.role(128) == "decode" and targets.role(64) == "tokens_64"
 
 

@@ -236,6 +236,9 @@ def test_plan_for_shapes_and_dtypes():
     assert 7168 % plan.fwd.block_k == 0 and 2048 % plan.fwd.block_n == 0
     assert 2048 % plan.dx.block_k == 0 and 7168 % plan.dx.block_n == 0
     assert 7168 % plan.dw.block_m == 0 and 2048 % plan.dw.block_n == 0
+    if gm._mosaic.upstream_signature_ok():
+        assert plan.rows == "upstream"
+    assert gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16).rows == "tiles"  # many small groups
     assert gm.plan_for((64, 128), (2, 128, 128), jnp.float32, jnp.float32) is None
     assert gm.plan_for((64, 128), (2, 128, 128), bf16, jnp.float16) is None
     assert gm.plan_for((64, 100), (2, 100, 128), bf16, bf16) is None  # K not a multiple of 64

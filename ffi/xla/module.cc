@@ -34,12 +34,34 @@ std::shared_ptr<jax_ep::Group> Group(int64_t id) {
 }
 
 void Check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep.peer_copy_seconds: ") + what + ": " +
+  if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep timing: ") + what + ": " +
                                                       cudaGetErrorString(status));
 }
 
-// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst (mean of `iters` after a warm-up, by CUDA events):
-// the yardstick the benchmarks compare the exchange with.
+// Seconds per call of enqueue(stream) on the current device: 3 warm-up calls, then the mean of `iters` between
+// two CUDA events.
+template <typename Enqueue>
+double SecondsPer(int iters, Enqueue enqueue) {
+  cudaStream_t stream;
+  cudaEvent_t start, stop;
+  Check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int i = 0; i < 3; ++i) enqueue(stream);
+  Check(cudaEventRecord(start, stream), "cudaEventRecord");
+  for (int i = 0; i < iters; ++i) enqueue(stream);
+  Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+  Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  return ms / 1e3 / iters;
+}
+
+// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
+// exchange with.
 double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
   int saved = 0;
   cudaGetDevice(&saved);
@@ -51,26 +73,30 @@ double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
   Check(cudaMemset(from, 0x5a, bytes), "cudaMemset");
   cudaDeviceEnablePeerAccess(dst, 0);
   cudaGetLastError();
-  cudaStream_t stream;
-  cudaEvent_t start, stop;
-  Check(cudaStreamCreate(&stream), "cudaStreamCreate");
-  Check(cudaEventCreate(&start), "cudaEventCreate");
-  Check(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 3; ++i) Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
-  Check(cudaEventRecord(start, stream), "cudaEventRecord");
-  for (int i = 0; i < iters; ++i) Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
-  Check(cudaEventRecord(stop, stream), "cudaEventRecord");
-  Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
+  const double seconds = SecondsPer(iters, [&](cudaStream_t stream) {
+    Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
+  });
   cudaFree(from);
   cudaSetDevice(dst);
   cudaFree(to);
   cudaSetDevice(saved);
-  return ms / 1e3 / iters;
+  return seconds;
+}
+
+// Seconds per cudaMemsetAsync of `bytes` on GPU `device`: writes only, the ceiling of an op that mostly writes.
+double FillSeconds(int device, size_t bytes, int iters) {
+  int saved = 0;
+  cudaGetDevice(&saved);
+  void* to = nullptr;
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  Check(cudaMalloc(&to, bytes), "cudaMalloc");
+  int value = 0;
+  const double seconds = SecondsPer(iters, [&](cudaStream_t stream) {
+    Check(cudaMemsetAsync(to, 0x40 + (value++ & 0x1f), bytes, stream), "cudaMemsetAsync");
+  });
+  cudaFree(to);
+  cudaSetDevice(saved);
+  return seconds;
 }
 
 }  // namespace
@@ -199,6 +225,7 @@ NB_MODULE(_jax_ep_cuda, m) {
       },
       nb::arg("group"));
   m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
+  m.def("fill_seconds", &FillSeconds, nb::arg("device"), nb::arg("bytes"), nb::arg("iters"));
   m.def("cuda_versions", []() {
     int runtime = 0, driver = 0;
     if (cudaRuntimeGetVersion(&runtime) != cudaSuccess || cudaDriverGetVersion(&driver) != cudaSuccess) {

@@ -178,3 +178,13 @@ def copy_seconds(src_ordinal: int, dst_ordinal: int, nbytes: int, iters: int) ->
     from jax_ep import _group
 
     return _group.extension().peer_copy_seconds(src_ordinal, dst_ordinal, nbytes, iters)
+
+
+def fill_seconds(ordinal: int, nbytes: int, iters: int) -> float:
+    """Seconds per ``cudaMemsetAsync`` of ``nbytes`` on one GPU (CUDA events, mean of ``iters``): writes only.
+
+    Needs the CUDA extension (``jax_ep.cuda_available()``).
+    """
+    from jax_ep import _group
+
+    return _group.extension().fill_seconds(ordinal, nbytes, iters)
