@@ -5,11 +5,14 @@ python bench/grouped_matmul.py OUT.json --sweep [--budget-s 120]   # tile sweep 
 
 Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16, standard normal (w scaled by
 1/sqrt(K)). Group sizes: ``random``, the expert counts of M tokens routed uniformly at random to G experts
-(``sum == M``), and ``equal``, M/G rows each. The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups
-of M/G rows (same FLOPs); its gradients are ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')``
-(dw). Each op is jitted alone; ``dx`` is what the custom VJP computes (the kernel, then rows past
-``sum(group_sizes)`` set to 0 by a select, a pass XLA fuses into the consumer inside a model but not here),
-``dx_kernel`` the kernel alone. Time per call: the median over 5 batches of ``k`` back-to-back calls, each
+(``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
+The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
+``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
+and ``dw`` are what the custom VJP computes: the padded dense path where every group fits its rows (``random``
+and ``equal`` here), else the kernels (``skewed``); ``dx`` then sets rows past ``sum(group_sizes)`` to 0 by a
+select, a pass XLA fuses into the consumer inside a model but not here. ``fwd_upstream``/``fwd_tiles`` and
+``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two forward kernels alone, ``dw_kernel``
+with the dw kernel alone. Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
 recorded as "oom" where XLA runs out of memory. A sampled check against float32 (rows of y and dx, two
@@ -83,11 +86,21 @@ def api_probe() -> dict:
     return out
 
 
+KINDS = ("random", "equal", "skewed")
+
+
 def group_sizes(kind: str, m: int, g: int, seed: int = 0) -> np.ndarray:
+    """``equal``: M/G rows each; ``random``: M rows routed uniformly at random; ``skewed``: ``random`` with a
+    quarter of all rows moved to group 0 (more than the padded path's rows, so the kernels run)."""
     if kind == "equal":
         return np.full(g, m // g, np.int32)
     rng = np.random.default_rng(seed)
-    return np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
+    sizes = np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
+    if kind == "skewed":
+        moved = np.minimum(sizes[1:], -(-(m // 4) // (g - 1))) if g > 1 else sizes[1:]
+        sizes[1:] -= moved
+        sizes[0] += moved.sum()
+    return sizes
 
 
 def inputs(m: int, k: int, n: int, g: int, seed: int = 0):
@@ -140,15 +153,19 @@ def dense_args(x, w, dy, g):
 
 
 def gmm_fns(plan: gm.Plan):
-    """The custom VJP's three ops with ``plan``, plus the dx kernel alone; ``*_tiles``: the other forward kernel."""
-    tiles = plan._replace(rows="tiles")
+    """The custom VJP's three ops with ``plan`` (what users get: the padded dense path where every group fits),
+    and each op with a kernel alone (``*_upstream``, ``*_tiles``: the two forward/dx kernels; ``dw_kernel``)."""
+    upstream = plan._replace(rows="upstream", padded=None)
+    tiles = plan._replace(rows="tiles", padded=None)
     return {
         "fwd": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, plan)),
         "dx": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, plan)),
-        "dx_kernel": jax.jit(lambda dy, w, s: gm._rows_kernel(plan)(dy, w, s, plan.dx, transpose_rhs=True)),
         "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
+        "fwd_upstream": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, upstream)),
         "fwd_tiles": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, tiles)),
+        "dx_upstream": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, upstream)),
         "dx_tiles": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, tiles)),
+        "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, tiles)),
     }
 
 
@@ -212,14 +229,16 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     for op, fn in dense_fns().items():
         times[f"einsum_{op}"] = time_call(fn, dargs[op], iters)
     fns = gmm_fns(plan)
-    for kind in ("random", "equal"):
+    for kind in KINDS:
         s = jnp.asarray(group_sizes(kind, m, g))
         for op, fn in fns.items():
+            if kind == "skewed" and op not in ("fwd", "dx", "dw"):
+                continue
             args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op == "dw" else (dy, w, s))
             try:
                 times[f"gmm_{op}_{kind}"] = time_call(fn, args, iters)
             except Exception as error:  # noqa: BLE001
-                if not op.endswith("_tiles"):
+                if op in ("fwd", "dx", "dw"):
                     raise
                 row["errors"][f"gmm_{op}_{kind}"] = f"{type(error).__name__}: {str(error)[:400]}"
     log("  " + ", ".join(f"{name} {t * 1e3:.3f} ms" for name, t in times.items()))
@@ -243,7 +262,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     for name, t in times.items():
         if name.startswith("einsum_"):
             continue
-        op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")  # gmm_<op>[_kernel|_tiles]_<kind>
+        op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")  # gmm_<op>[_<kernel>]_<kind>
         row["ratio_vs_einsum"][name] = times[f"einsum_{op}"] / t
     return row
 
@@ -377,23 +396,22 @@ def main() -> None:
         rows.append(bench_shape(*shape, iters=args.iters, ragged=not args.no_ragged_dot))
         payload["results"] = rows
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    print(f"\nwrote {args.out}\nTFLOP/s (ratio to the einsum of the same op); group sizes random, [equal]:")
-    print(f"{'M x K x N, G':24} {'op':9} {'einsum':>7} {'gmm':>15} {'gmm equal':>15} {'ragged_dot':>10}")
+    print(f"\nwrote {args.out}\nTFLOP/s (ratio to the einsum of the same op); group sizes random, equal, skewed:")
+    head = f"{'M x K x N, G':24} {'op':12} {'einsum':>7} {'random':>15} {'equal':>15} {'skewed':>15}"
+    print(f"{head} {'ragged_dot':>10}")
     for r in rows:
         name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
         tf, ratio = r["tflops"], r["ratio_vs_einsum"]
-        for op in ("fwd", "fwd_tiles", "dx", "dx_kernel", "dx_tiles", "dw"):
+        for op in ("fwd", "fwd_upstream", "fwd_tiles", "dx", "dx_upstream", "dx_tiles", "dw", "dw_kernel"):
             base = op.split("_")[0]
             rd = tf.get(f"ragged_dot_{op}")
             rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"
             if f"gmm_{op}_random" not in tf:
-                print(f"{name:24} {op:9} failed: {r['errors'].get(f'gmm_{op}_random', '')[:60]}")
+                print(f"{name:24} {op:12} failed: {r['errors'].get(f'gmm_{op}_random', '')[:60]}")
                 continue
-            print(
-                f"{name:24} {op:9} {tf[f'einsum_{base}']:7.1f} "
-                f"{tf[f'gmm_{op}_random']:7.1f} ({ratio[f'gmm_{op}_random']:4.2f}) "
-                f"{tf[f'gmm_{op}_equal']:7.1f} ({ratio[f'gmm_{op}_equal']:4.2f}) {rd_text}"
-            )
+            keys = [f"gmm_{op}_{kind}" for kind in KINDS]
+            cells = [f"{tf[key]:7.1f} ({ratio[key]:4.2f})" if key in tf else " " * 15 for key in keys]
+            print(f"{name:24} {op:12} {tf[f'einsum_{base}']:7.1f} {' '.join(cells)} {rd_text}")
     _ = jax_ep  # the package under test
 
 

@@ -1,7 +1,8 @@
 """``jax_ep.grouped_matmul``: ``jax.lax.ragged_dot`` with Pallas Mosaic GPU kernels on Hopper GPUs.
 
 On a Hopper GPU (compute capability 9.x) the forward pass and both gradients run Pallas Mosaic GPU
-(wgmma) kernels from :mod:`jax_ep._mosaic_gmm`, joined by a ``jax.custom_vjp``; elsewhere, and for shapes or
+(wgmma) kernels from :mod:`jax_ep._mosaic_gmm`, or a dense batched matmul over padded groups
+(:mod:`jax_ep._padded_gmm`) when every group fits, joined by a ``jax.custom_vjp``; elsewhere, and for shapes or
 dtypes the kernels do not take, :func:`grouped_matmul` is ``jax.lax.ragged_dot`` with its own autodiff.
 """
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _padded_gmm as _padded
 from ._validate import check_array, check_choice
 
 try:
@@ -46,13 +48,15 @@ class Plan(NamedTuple):
 
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
     ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row, rounded down to a
-    multiple of 8).
+    multiple of 8). ``padded``: rows per group of the padded dense path (:mod:`jax_ep._padded_gmm`), which
+    each op with a kernel takes instead when no group is larger, or None for the kernels alone.
     """
 
     fwd: Blocks | None
     dx: Blocks | None
     dw: Blocks | None
     rows: str = "upstream"
+    padded: int | None = None
 
 
 # Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
@@ -98,7 +102,7 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     if jnp.dtype(x_dtype) != jnp.dtype(w_dtype) or jnp.dtype(x_dtype) not in MOSAIC_DTYPES or min(m, k, n, g) < 1:
         return None
     rows = "upstream" if g < TILES_FROM_GROUPS and _mosaic.upstream_signature_ok() else "tiles"
-    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows)
+    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows, padded=_padded.padded_rows(m, g))
     return None if plan[:3] == (None, None, None) else plan
 
 
@@ -138,8 +142,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     the shape (``K`` and ``N`` multiples of 64); any ``M`` is taken (when it is not a multiple of 8, ``x``
     is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
     ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
-    or XLA's ``ragged_dot`` otherwise. The kernels accumulate in float32 and round once to the output
-    dtype. Inside the computation the choice between kernel and XLA is made per platform
+    or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
+    times its square root; :mod:`jax_ep._padded_gmm`), checked on the device, an op with a kernel runs
+    instead as one dense batched matmul over the groups padded to ``C`` rows. Both accumulate in float32
+    and round once to the output dtype. Inside the computation the choice between kernel and XLA is made per platform
     (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
     """
     check_choice("impl", impl, IMPLS)
@@ -202,18 +208,29 @@ def _varying_axes(value) -> frozenset:
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _op(name: str, blocks: Blocks | None, xla, mosaic, *args):
+def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows: int | None = None):
+    """One op: on CUDA its kernel, or ``padded(*args, rows)`` when every group has at most ``rows`` rows;
+    elsewhere (or without tiles) ``xla``. ``args[2]`` is ``group_sizes``."""
     if blocks is None:
         return xla(*args)
 
-    def kernel(*args):
-        # A Pallas call's output is not marked varying over shard_map's axes; XLA's op's is.
-        out = mosaic(*args)
-        missing = frozenset().union(*map(_varying_axes, args)) - _varying_axes(out)
-        return lax.pcast(out, tuple(sorted(missing, key=str)), to="varying") if missing else out
+    def varying(fn):
+        def run(*args):
+            # A Pallas call's output is not marked varying over shard_map's axes; XLA's op's is.
+            out = fn(*args)
+            missing = frozenset().union(*map(_varying_axes, args)) - _varying_axes(out)
+            return lax.pcast(out, tuple(sorted(missing, key=str)), to="varying") if missing else out
 
+        return run
+
+    kernel = varying(mosaic)
+    if padded is not None and rows is not None:
+        dense = varying(lambda *a: padded(*a, rows))
+        on_gpu = lambda *a: lax.cond(_padded.fits(a[2], rows), dense, kernel, *a)  # noqa: E731
+    else:
+        on_gpu = kernel
     with jax.named_scope(f"grouped_matmul_{name}"):
-        return lax.platform_dependent(*args, cuda=kernel, default=xla)
+        return lax.platform_dependent(*args, cuda=on_gpu, default=xla)
 
 
 def _rows_kernel(plan: Plan):
@@ -224,14 +241,14 @@ def _fwd(x, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.fwd)
 
-    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes)
+    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=plan.padded)
 
 
 def _dx(dy, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True)
 
-    dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes)
+    dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=plan.padded)
     return jnp.where(_rows_below(dy.shape[0], group_sizes), dx, 0)
 
 
@@ -239,7 +256,7 @@ def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
 
-    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes)
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded)
 
 
 # The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).

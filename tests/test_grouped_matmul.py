@@ -14,7 +14,9 @@ import pytest
 
 import jax_ep
 from jax_ep import _grouped_matmul as gm
+from jax_ep import _padded_gmm as padded
 from jax_ep._mosaic_gmm import Blocks, num_row_tiles, tile_table
+from jax_ep._padded_gmm import padded_rows
 
 # (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
 CASES = {
@@ -24,6 +26,10 @@ CASES = {
     "all_empty": (96, 64, 64, [0, 0, 0], True),
     "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
     "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
+    # Groups of about M / G rows: on CUDA the padded dense path (every group fits its 352 rows), and one group
+    # of 400 rows, which does not fit, so the kernels run.
+    "even": (2048, 128, 192, [250, 260, 255, 262, 248, 251, 259, 253], True),
+    "uneven": (2048, 128, 192, [400, 200, 255, 262, 200, 251, 259, 200], True),
 }
 ON_HOPPER = gm.hopper_available()
 
@@ -83,7 +89,7 @@ def check(got, want, sizes, *, tol):
 def test_custom_vjp_matches_ragged_dot(case):
     x, w, sizes, dy = make(case)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
-    assert plan is not None and None not in plan
+    assert plan is not None and None not in plan[:3]
     got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
     check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
 
@@ -229,10 +235,33 @@ def test_kernels_refuse_rows_not_a_multiple_of_8():
         gm._mosaic.transposed_ragged_dot(x, x[:, :128], sizes, blocks)
 
 
+def test_padded_rows_cover_groups_of_uniform_routing():
+    assert padded_rows(32768, 256) == 192 and padded_rows(8192, 64) == 192  # groups of 128 rows on average
+    assert padded_rows(32768, 32) == 1184
+    assert padded_rows(2048, 8) == 352
+    assert padded_rows(600, 25) is None and padded_rows(96, 3) is None  # more than 1.5x the useful flops
+    assert padded_rows(0, 4) is None
+    plan = gm.plan_for((2048, 128), (8, 128, 192), jnp.bfloat16, jnp.bfloat16)
+    assert plan.padded == 352
+    assert bool(padded.fits(jnp.asarray(CASES["even"][3], jnp.int32), 352))
+    assert not bool(padded.fits(jnp.asarray(CASES["uneven"][3], jnp.int32), 352))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_padded_path_matches_ragged_dot(case):
+    """The padded dense path alone (any platform): NaN past the groups and in the gaps never enters a group."""
+    x, w, sizes, dy = make(case)
+    rows = -(-max(int(np.max(sizes)), 1) // 8) * 8 + 8  # every group fits, with rows to spare
+    ops = jax.jit(lambda x, w, s, dy: (padded.fwd(x, w, s, rows), padded.dx(dy, w, s, rows), padded.dw(x, dy, s, rows)))
+    got = [np.asarray(v, np.float32) for v in ops(x, w, sizes, dy)]
+    check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+    assert np.all(got[0][int(np.sum(sizes)) :] == 0), "y is 0 past sum(group_sizes)"
+
+
 def test_plan_for_shapes_and_dtypes():
     bf16 = jnp.bfloat16
     plan = gm.plan_for((4096, 7168), (32, 7168, 2048), bf16, bf16)
-    assert plan is not None and None not in plan
+    assert plan is not None and None not in plan[:3]
     assert 7168 % plan.fwd.block_k == 0 and 2048 % plan.fwd.block_n == 0
     assert 2048 % plan.dx.block_k == 0 and 7168 % plan.dx.block_n == 0
     assert 7168 % plan.dw.block_m == 0 and 2048 % plan.dw.block_n == 0
@@ -325,6 +354,16 @@ def test_mosaic_kernels_are_what_runs():
     hlo = jax.jit(step).lower(x, w, sizes, dy).compile().as_text()
     assert hlo.count("mosaic_gpu") >= 3, "expected the three Mosaic kernels"
     assert " ragged-dot(" not in hlo, "XLA's ragged dot must not run"
+
+
+@hopper
+def test_groups_that_fit_take_the_padded_path_on_the_gpu():
+    """Each of the three ops holds the padded dense path and its kernel under a conditional."""
+    x, w, sizes, dy = make("even")
+    step = functools.partial(vjp_step, functools.partial(jax_ep.grouped_matmul, impl="mosaic"))
+    hlo = jax.jit(step).lower(x, w, sizes, dy).compile().as_text()
+    assert hlo.count("conditional(") >= 3, "expected a conditional per op"
+    assert hlo.count("mosaic_gpu") >= 3, "expected the three Mosaic kernels as the other branches"
 
 
 @hopper

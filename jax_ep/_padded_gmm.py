@@ -1,0 +1,84 @@
+"""The grouped matmul as a dense batched matmul over groups padded to a fixed number of rows.
+
+Each group's rows are gathered into ``[G, C, ...]`` (zeros past the group's size), multiplied by a batched
+``einsum`` (XLA's dense GEMM, float32 accumulation, one rounding), and gathered back into the ragged rows.
+It holds only while every group has at most ``C`` rows, so :mod:`jax_ep._grouped_matmul` runs it under a
+``lax.cond`` on ``max(group_sizes) <= C``, with the Mosaic kernels as the other branch. With groups of about
+``M / G`` rows each it does ``C / (M / G)`` times the useful flops, which :func:`padded_rows` keeps at most
+1.5, and the dense GEMM runs much nearer the GPU's peak than a grouped kernel on groups of a hundred rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# C covers a group of M / G rows plus this many standard deviations of a binomial count (uniform routing).
+SPREAD = 4.5
+ROW_STEP = 32  # C is a multiple of this
+MOST_FLOPS = 1.5  # C / (M / G) at most
+
+
+def padded_rows(m: int, g: int) -> int | None:
+    """Rows per group ``C`` for ``m`` rows in ``g`` groups, or None when padding would cost too many flops."""
+    if m < 1 or g < 1:
+        return None
+    mean = m / g
+    rows = math.ceil((mean + SPREAD * math.sqrt(mean)) / ROW_STEP) * ROW_STEP
+    return rows if rows <= MOST_FLOPS * mean else None
+
+
+def fits(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Whether every group has at most ``rows`` rows (a scalar bool)."""
+    return jnp.max(group_sizes) <= rows
+
+
+def _starts(group_sizes: jax.Array) -> jax.Array:
+    return jnp.cumsum(group_sizes) - group_sizes
+
+
+def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group.
+
+    Zeros come from a select, so NaN or Inf in rows outside a group (another group's, or past
+    ``sum(group_sizes)``) never enter it.
+    """
+    c = jnp.arange(rows, dtype=jnp.int32)[None, :]
+    src = jnp.clip(_starts(group_sizes)[:, None] + c, 0, a.shape[0] - 1)
+    gathered = jnp.take(a, src.reshape(-1), axis=0).reshape(group_sizes.shape[0], rows, a.shape[1])
+    return jnp.where((c < group_sizes[:, None])[..., None], gathered, 0)
+
+
+def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
+    """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
+    g, rows, d = p.shape
+    r = jnp.arange(m, dtype=jnp.int32)
+    ends = jnp.cumsum(group_sizes)
+    group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # the group of row r, G past the groups
+    held = group < g
+    group = jnp.minimum(group, g - 1)
+    index = group * rows + jnp.clip(r - (ends[group] - group_sizes[group]), 0, rows - 1)
+    return jnp.where(held[:, None], jnp.take(p.reshape(g * rows, d), index, axis=0), 0)
+
+
+def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``ragged_dot(x, w, group_sizes)``, 0 past ``sum(group_sizes)``."""
+    y = _einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w, jnp.result_type(x, w))
+    return unpad(y, group_sizes, x.shape[0])
+
+
+def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``."""
+    d = _einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w, jnp.result_type(dy, w))
+    return unpad(d, group_sizes, dy.shape[0])
+
+
+def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``dw[g] = x_g^T dy_g`` (0 for an empty group)."""
+    return _einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows), jnp.result_type(x, dy))
