@@ -49,7 +49,7 @@ class Plan(NamedTuple):
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
     ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row, rounded down to a
     multiple of 8). ``padded``: rows per group of the padded dense path (:mod:`jax_ep._padded_gmm`), which
-    each op with a kernel takes instead when no group is larger, or None for the kernels alone.
+    the forward and dx take instead of their kernel when no group is larger, or None for the kernels alone.
     """
 
     fwd: Blocks | None
@@ -71,11 +71,14 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 }
 
 
-# From this many groups up the forward and dx take jax_ep's per-group-tile kernel ("tiles"), below it JAX's. On one
-# H200 (bench/results/grouped_matmul_h200x1.json) "tiles" was faster at 256 groups of 128 rows on average (forward
-# 243 against 190 TFLOP/s, dx 216 against 148) and slower at 32 groups (416 against 427, 350 against 357) and at
-# 64 groups of 128 rows with K=4096, N=1024 (196 against 233, 168 against 186); no group count between was measured.
-TILES_FROM_GROUPS = 256
+# From this many groups up the forward and dx take jax_ep's per-group-tile kernel ("tiles") instead of JAX's, and
+# the padded dense path (jax_ep._padded_gmm) where every group fits. On one H200 at 256 groups of 128 rows on
+# average (M=32768, K=7168, N=2048; bench/results/grouped_matmul_71d5c64_h200x1.json) "tiles" was faster than
+# JAX's kernel (forward 242 against 188 TFLOP/s, dx 216 against 147) and the padded path faster still (311 and
+# 258); at 32 groups both were within 3% of JAX's kernel, and at 64 groups of 128 rows with K=4096, N=1024 both
+# were slower (forward 180 and 163 against 228). dw keeps its kernel: the padded path was no faster (133 against
+# the kernel's 139 at 256 groups). No group count between 64 and 256 was measured.
+MANY_GROUPS = 256
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
@@ -101,8 +104,10 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     g, _, n = w_shape
     if jnp.dtype(x_dtype) != jnp.dtype(w_dtype) or jnp.dtype(x_dtype) not in MOSAIC_DTYPES or min(m, k, n, g) < 1:
         return None
-    rows = "upstream" if g < TILES_FROM_GROUPS and _mosaic.upstream_signature_ok() else "tiles"
-    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows, padded=_padded.padded_rows(m, g))
+    many = g >= MANY_GROUPS
+    rows = "upstream" if not many and _mosaic.upstream_signature_ok() else "tiles"
+    padded = _padded.padded_rows(m, g) if many else None
+    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows, padded=padded)
     return None if plan[:3] == (None, None, None) else plan
 
 
@@ -143,10 +148,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
     ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
     or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
-    times its square root; :mod:`jax_ep._padded_gmm`), checked on the device, an op with a kernel runs
-    instead as one dense batched matmul over the groups padded to ``C`` rows. Both accumulate in float32
-    and round once to the output dtype. Inside the computation the choice between kernel and XLA is made per platform
-    (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
+    times its square root; :mod:`jax_ep._padded_gmm`), checked on the device, and there are at least 256
+    groups, the forward pass and ``dx`` run instead as one dense batched matmul over the groups padded to
+    ``C`` rows. All accumulate in float32 and round once to the output dtype. Inside the computation the
+    choice between kernel and XLA is made per platform (``jax.lax.platform_dependent``), so the same
+    function also runs on CPU devices.
     """
     check_choice("impl", impl, IMPLS)
     check_array("x", x, ndim=2, kind="floating")
@@ -256,7 +262,7 @@ def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
 
-    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded)
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes)
 
 
 # The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).

@@ -1,4 +1,4 @@
-"""The grouped matmul as a dense batched matmul over groups padded to a fixed number of rows.
+"""The grouped matmul's forward pass and ``dx`` as a dense batched matmul over groups padded to a fixed size.
 
 Each group's rows are gathered into ``[G, C, ...]`` (zeros past the group's size), multiplied by a batched
 ``einsum`` (XLA's dense GEMM, float32 accumulation, one rounding), and gathered back into the ragged rows.
@@ -77,8 +77,3 @@ def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Ar
     """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``."""
     d = _einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w, jnp.result_type(dy, w))
     return unpad(d, group_sizes, dy.shape[0])
-
-
-def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
-    """``dw[g] = x_g^T dy_g`` (0 for an empty group)."""
-    return _einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows), jnp.result_type(x, dy))
