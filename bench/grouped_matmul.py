@@ -234,7 +234,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
         for op, fn in fns.items():
             if kind == "skewed" and op not in ("fwd", "dx", "dw"):
                 continue
-            args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op == "dw" else (dy, w, s))
+            args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op.startswith("dw") else (dy, w, s))
             try:
                 times[f"gmm_{op}_{kind}"] = time_call(fn, args, iters)
             except Exception as error:  # noqa: BLE001
