@@ -1,0 +1,136 @@
+// The bytes of one dispatch at T=4096, H=7168 bf16, K=8, E=256 (uniform random distinct experts; rows laid out by
+// expert, then token, as the ragged layout at R=1), moved in several patterns with every destination precomputed:
+// what bounds DispatchKernel's scatter, apart from routing and the protocol. Standalone, no jax_ep code:
+//   nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/write_patterns bench/write_patterns.cu && /tmp/write_patterns
+// Prints device µs per launch (CUDA events, 20 launches after 3 warm-ups) and the write rate of each pattern.
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <random>
+#include <algorithm>
+constexpr int T = 4096, K = 8, E = 256, ROW = 7168 * 2, N = T * K, PER = 4;
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+
+template <int kMode>  // 0 plain stores, 1 __stcs stores, 2 row by row (reload from L1/L2)
+__global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, char* out, int pieces) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * 32, first = blockIdx.x * 32 + threadIdx.x / 32;
+  const int piece_bytes = ROW / pieces;
+  for (int item = first; item < T * pieces; item += warps) {
+    const int t = item / pieces, piece = item % pieces;
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
+    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
+    const int n = piece_bytes / 16;
+    if constexpr (kMode == 2) {
+      for (int k = 0; k < K; ++k) {
+        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
+        for (int base = 0; base < n; base += 32 * PER) {
+          uint4 part[PER];
+#pragma unroll
+          for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
+#pragma unroll
+          for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) d[i] = part[m]; }
+        }
+      }
+    } else {
+    for (int base = 0; base < n; base += 32 * PER) {
+      uint4 part[PER];
+#pragma unroll
+      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
+      for (int k = 0; k < K; ++k) {
+        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
+#pragma unroll
+        for (int m = 0; m < PER; ++m) {
+          int i = base + lane + 32 * m;
+          if (i < n) { if (kMode == 1) __stcs(d + i, part[m]); else d[i] = part[m]; }
+        }
+      }
+    }
+    }
+  }
+}
+
+template <int kMode>  // 0 gather plain, 1 gather with __stcs
+__global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_of_row, char* out, int pieces) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * 32, first = blockIdx.x * 32 + threadIdx.x / 32;
+  const int piece_bytes = ROW / pieces;
+  for (int item = first; item < N * pieces; item += warps) {
+    const int r = item / pieces, piece = item % pieces;
+    const int t = token_of_row[r];
+    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
+    uint4* d = reinterpret_cast<uint4*>(out + (size_t)r * ROW + piece * piece_bytes);
+    const int n = piece_bytes / 16;
+    for (int base = 0; base < n; base += 32 * PER) {
+      uint4 part[PER];
+#pragma unroll
+      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
+#pragma unroll
+      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) { if (kMode) __stcs(d + i, part[m]); else d[i] = part[m]; } }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(1024) Fill(uint4* out, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    out[i] = make_uint4(1, 2, 3, 4);
+}
+
+template <typename F>
+float Time(F f) {
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) f();
+  cudaEventRecord(a);
+  for (int i = 0; i < 20; ++i) f();
+  cudaEventRecord(b); cudaEventSynchronize(b);
+  float ms; cudaEventElapsedTime(&ms, a, b);
+  return ms * 1000 / 20;
+}
+
+int main() {
+  std::mt19937 rng(0);
+  std::vector<int> idx(T * K);
+  std::vector<int> experts(E); for (int e = 0; e < E; ++e) experts[e] = e;
+  for (int t = 0; t < T; ++t) { std::shuffle(experts.begin(), experts.end(), rng); for (int k = 0; k < K; ++k) idx[t * K + k] = experts[k]; }
+  std::vector<int> count(E, 0), start(E, 0);
+  for (int s = 0; s < T * K; ++s) count[idx[s]]++;
+  for (int e = 1; e < E; ++e) start[e] = start[e - 1] + count[e - 1];
+  std::vector<int> dest(T * K), token_of_row(N), seen(E, 0);
+  for (int t = 0; t < T; ++t) for (int k = 0; k < K; ++k) { int e = idx[t * K + k]; int r = start[e] + seen[e]++; dest[t * K + k] = r; token_of_row[r] = t; }
+  char *x, *out; int *d_dest, *d_tok;
+  CK(cudaMalloc(&x, (size_t)T * ROW)); CK(cudaMalloc(&out, (size_t)N * ROW));
+  CK(cudaMalloc(&d_dest, T * K * 4)); CK(cudaMalloc(&d_tok, N * 4));
+  CK(cudaMemset(x, 0x3c, (size_t)T * ROW));
+  CK(cudaMemcpy(d_dest, dest.data(), T * K * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_tok, token_of_row.data(), N * 4, cudaMemcpyHostToDevice));
+  const size_t bytes = (size_t)N * ROW;
+  const double floor_bytes = bytes + (double)T * ROW;
+  auto report = [&](const char* name, float us) { printf("%-40s %8.1f us  writes %6.0f GB/s\n", name, us, bytes / us / 1e3); };
+  report("cudaMemsetAsync (writes only)", Time([&] { cudaMemsetAsync(out, 7, bytes); }));
+  report("fill kernel 132x1024 (writes only)", Time([&] { Fill<<<132, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill kernel 1056x1024 (writes only)", Time([&] { Fill<<<1056, 1024>>>((uint4*)out, bytes / 16); }));
+  for (int pieces : {1, 2, 4}) {
+    char name[64];
+    snprintf(name, 64, "scatter plain, %d pieces", pieces); report(name, Time([&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, pieces); }));
+    snprintf(name, 64, "scatter __stcs, %d pieces", pieces); report(name, Time([&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, pieces); }));
+    snprintf(name, 64, "scatter row by row, %d pieces", pieces); report(name, Time([&] { Scatter<2><<<132, 1024>>>(x, d_dest, out, pieces); }));
+    snprintf(name, 64, "gather plain, %d pieces", pieces); report(name, Time([&] { Gather<0><<<132, 1024>>>(x, d_tok, out, pieces); }));
+    snprintf(name, 64, "gather __stcs, %d pieces", pieces); report(name, Time([&] { Gather<1><<<132, 1024>>>(x, d_tok, out, pieces); }));
+  }
+  {
+    std::vector<int> seq(T * K);
+    for (int i = 0; i < T * K; ++i) seq[i] = i;
+    CK(cudaMemcpy(d_dest, seq.data(), T * K * 4, cudaMemcpyHostToDevice));
+    report("broadcast to consecutive rows, 2 pieces", Time([&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, 2); }));
+    report("broadcast to consecutive rows __stcs", Time([&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, 2); }));
+    CK(cudaMemcpy(d_dest, dest.data(), T * K * 4, cudaMemcpyHostToDevice));
+  }
+  report("scatter plain 2 pieces, 264 blocks", Time([&] { Scatter<0><<<264, 1024>>>(x, d_dest, out, 2); }));
+  report("gather plain 1 piece, 264 blocks", Time([&] { Gather<0><<<264, 1024>>>(x, d_tok, out, 1); }));
+  CK(cudaGetLastError());
+  printf("floor bytes %.1f MB\n", floor_bytes / 1e6);
+  return 0;
+}
