@@ -5,8 +5,11 @@
 Each sequence starts with two random tokens and continues with
 ``x[t] = (x[t-1] + x[t-2]) % VOCAB``, so every token after the second is
 predictable from the two before it. The model (2 blocks of causal
-self-attention and an expert-parallel MoE) learns the rule; the next-token
-cross-entropy on those tokens falls from about ln(VOCAB).
+self-attention and an expert-parallel MoE) learns the rule. The script prints
+the next-token cross-entropy on those tokens of a fixed evaluation batch, drawn
+before training and never trained on, before and after training: it starts
+above ln(VOCAB) = 3.47, a uniform guess (about 4.0 with the default seed), and
+falls as the model learns.
 
 Runs on all GPUs when there are some, else on 8 simulated CPU devices; the
 batch and the experts are sharded over the mesh axis "ep". Needs flax, optax,
@@ -105,10 +108,12 @@ def eval_loss(model: Transformer, seq: jax.Array) -> jax.Array:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument("--batch", type=int, default=32, help="sequences per step, a multiple of the device count")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--plot", default="moe_loss.png", help="where to write the loss curve")
     args = parser.parse_args()
 
@@ -142,8 +147,8 @@ def main() -> None:
     axes.plot(losses)
     axes.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="tiny MoE transformer (jax_ep.nn.MoE)")
     figure.savefig(args.plot, dpi=120, bbox_inches="tight")
-    print(f"initial loss {initial:.4f}")
-    print(f"final loss {final:.4f}")
+    print(f"initial eval loss {initial:.4f} (the fixed evaluation batch, before training)")
+    print(f"final eval loss {final:.4f} (the same batch, after {args.steps} steps)")
     print(f"loss curve written to {args.plot}")
 
 

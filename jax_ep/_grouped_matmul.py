@@ -294,12 +294,19 @@ def _custom_fwd(x, w, group_sizes, plan):
     return _fwd(x, w, group_sizes, plan), (x, w, group_sizes)
 
 
+def _summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """The cotangent summed over the mesh axes it varies over and its primal does not (inside shard_map, ``w``
+    replicated over a data axis gets the sum of every data shard's ``dw``), so it has its primal's type."""
+    extra = _varying_axes(cotangent) - _varying_axes(primal)
+    return lax.psum(cotangent, tuple(sorted(extra, key=str))) if extra else cotangent
+
+
 def _custom_bwd(plan, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
     dx = _dx(dy, w, group_sizes, plan).astype(x.dtype)
     dw = _dw(x, dy, group_sizes, plan).astype(w.dtype)
-    return dx, dw, None
+    return _summed_to(dx, x), _summed_to(dw, w), None
 
 
 _custom_grouped_matmul.defvjp(_custom_fwd, _custom_bwd)

@@ -40,7 +40,7 @@ def test_moe_layer(tmp_path):
 def test_train_moe(tmp_path):
     pytest.importorskip("flax")
     out = run_example("train_moe.py", "--steps", "30", cwd=tmp_path)
-    initial, final = (float(re.search(rf"{name} loss (\S+)", out).group(1)) for name in ("initial", "final"))
+    initial, final = (float(re.search(rf"{name} eval loss (\S+)", out).group(1)) for name in ("initial", "final"))
     assert final < initial - 0.5, out
     assert (tmp_path / "moe_loss.png").stat().st_size > 0
 

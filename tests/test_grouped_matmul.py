@@ -263,6 +263,35 @@ def test_padded_path_matches_ragged_dot(case):
     assert np.all(y[s:] == 0) and np.all(dx[s:] == 0), "0 past sum(group_sizes)"
 
 
+def test_custom_vjp_sums_dw_over_the_axes_w_is_replicated_on():
+    """Inside shard_map, with x sharded over ("data", "ep") and w only over "ep", the custom VJP's dw is the sum
+    over the data shards, as autodiff of ragged_dot gives (it used to fail: the cotangent varied over "data")."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    m, k, n, g = 64, 64, 64, 2
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8 * m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4 * g, k, n)) / 8, jnp.bfloat16)
+    sizes = jnp.asarray(np.tile([30, 26], 8), jnp.int32)  # per shard [30, 26]: 56 of 64 rows, the rest past them
+    plan = gm.plan_for((m, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)
+
+    def loss(fn):
+        def body(x, w, s):
+            return jnp.sum(fn(x, w, s).astype(jnp.float32)[:56] ** 2)[None]
+
+        mapped = jax.shard_map(
+            body, mesh=mesh, in_specs=(P(("data", "ep")), P("ep"), P(("data", "ep"))), out_specs=P(("data", "ep"))
+        )
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(mapped(x, w, sizes)), argnums=(0, 1)))
+
+    got = loss(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan))(x, w)
+    want = loss(jax.lax.ragged_dot)(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_plan_for_shapes_and_dtypes():
     bf16 = jnp.bfloat16
     plan = gm.plan_for((4096, 7168), (32, 7168, 2048), bf16, bf16)
