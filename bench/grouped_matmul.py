@@ -8,11 +8,13 @@ Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16
 (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
-and ``dw`` are what the custom VJP computes: the padded dense path where every group fits its rows (``random``
-and ``equal`` here), else the kernels (``skewed``); ``dx`` then sets rows past ``sum(group_sizes)`` to 0 by a
-select, a pass XLA fuses into the consumer inside a model but not here. ``fwd_upstream``/``fwd_tiles`` and
-``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two forward kernels alone, ``dw_kernel``
-with the dw kernel alone. Time per call: the median over 5 batches of ``k`` back-to-back calls, each
+and ``dw`` are what the custom VJP computes: from 256 groups up the forward and dx take the padded dense path
+where every group fits (``random`` and ``equal`` sizes here), else their kernel (``skewed``); ``dx`` then sets
+rows past ``sum(group_sizes)`` to 0 by a select, a pass XLA fuses into the consumer inside a model but not here.
+``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
+forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``). The sampled
+check runs on the default path, on the kernels alone, and on the other forward kernel.
+Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
 recorded as "oom" where XLA runs out of memory. A sampled check against float32 (rows of y and dx, two
@@ -153,8 +155,8 @@ def dense_args(x, w, dy, g):
 
 
 def gmm_fns(plan: gm.Plan):
-    """The custom VJP's three ops with ``plan`` (what users get: the padded dense path where every group fits),
-    and each op with a kernel alone (``*_upstream``, ``*_tiles``: the two forward/dx kernels; ``dw_kernel``)."""
+    """The custom VJP's three ops with ``plan`` (what users get), and the forward and dx with each of the two
+    kernels alone (``*_upstream``, ``*_tiles``; below 256 groups ``fwd``/``dx`` are ``*_upstream``)."""
     upstream = plan._replace(rows="upstream", padded=None)
     tiles = plan._replace(rows="tiles", padded=None)
     return {
@@ -165,7 +167,6 @@ def gmm_fns(plan: gm.Plan):
         "fwd_tiles": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, tiles)),
         "dx_upstream": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, upstream)),
         "dx_tiles": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, tiles)),
-        "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, tiles)),
     }
 
 
@@ -220,10 +221,17 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
     row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))
     try:
-        row["check_tiles"] = sampled_check(plan._replace(rows="tiles"), x, w, dy, group_sizes("random", m, g))
+        other = "upstream" if plan.rows == "tiles" else "tiles"
+        row["check_kernels"] = sampled_check(plan._replace(padded=None), x, w, dy, group_sizes("random", m, g))
+        row["check_other_kernel"] = sampled_check(
+            plan._replace(rows=other, padded=None), x, w, dy, group_sizes("random", m, g)
+        )
     except Exception as error:  # noqa: BLE001 - the other forward kernel failing is a result
-        row["errors"]["check_tiles"] = f"{type(error).__name__}: {str(error)[:400]}"
-    log(f"  sampled check {row['check']}, with the tiles forward {row.get('check_tiles')} {row['errors']}")
+        row["errors"]["check_kernels"] = f"{type(error).__name__}: {str(error)[:400]}"
+    log(
+        f"  sampled check {row['check']}, kernels {row.get('check_kernels')}, other kernel "
+        f"{row.get('check_other_kernel')} {row['errors']}"
+    )
     times = {}
     dargs = dense_args(x, w, dy, g)
     for op, fn in dense_fns().items():
@@ -402,7 +410,7 @@ def main() -> None:
     for r in rows:
         name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
         tf, ratio = r["tflops"], r["ratio_vs_einsum"]
-        for op in ("fwd", "fwd_upstream", "fwd_tiles", "dx", "dx_upstream", "dx_tiles", "dw", "dw_kernel"):
+        for op in ("fwd", "fwd_upstream", "fwd_tiles", "dx", "dx_upstream", "dx_tiles", "dw"):
             base = op.split("_")[0]
             rd = tf.get(f"ragged_dot_{op}")
             rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"

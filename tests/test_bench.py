@@ -51,6 +51,21 @@ def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
         assert all(run["correct"] and run["roundtrip_us"] > 0 for run in runs.values())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert re.search(r"^\[ *\d+\.\d s\] training shape: T=64, H=128$", done.stdout, re.MULTILINE), done.stdout
+    assert "EP group: 2 of the 2 cpu devices" in done.stdout
+    assert "peer copy of" in done.stdout and "not measured (needs 2 GPUs)" in done.stdout and "nan" not in done.stdout
+    assert result["training"]["peer_copy_us"] is None and result["training"]["xla"]["dispatch_pct_of_copy"] is None
+
+
+def test_bench_defaults_follow_the_platform(monkeypatch):
+    """A CPU dry run gets small shapes unless told otherwise; the GPU keeps the DeepSeek-like ones."""
+    from jax_ep.bench import __main__ as bench
+
+    monkeypatch.setattr(sys, "argv", ["bench", "out.json", "--platform", "cpu", "--hidden", "128"])
+    args = bench.parse_args()
+    assert (args.tokens, args.hidden, args.sweep_tokens, args.iters) == (64, 128, "16,32,64", 5)
+    monkeypatch.setattr(sys, "argv", ["bench", "out.json"])
+    args = bench.parse_args()
+    assert (args.tokens, args.hidden, args.iters, args.ranks) == (4096, 7168, 50, None)
 
 
 def test_multiprocess_bench_cpu_dry_run(tmp_path):

@@ -38,65 +38,73 @@ void Check(cudaError_t status, const char* what) {
                                                       cudaGetErrorString(status));
 }
 
+// What a timing helper made (device memory, a stream, events) and the device it found current: released and
+// restored on every path out, a thrown error included.
+struct TimingScratch {
+  int saved_device = 0;
+  std::vector<std::pair<int, void*>> buffers;  // (device, pointer)
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TimingScratch() { cudaGetDevice(&saved_device); }
+  ~TimingScratch() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (stream) cudaStreamDestroy(stream);
+    for (const auto& [device, pointer] : buffers) {
+      cudaSetDevice(device);
+      cudaFree(pointer);
+    }
+    cudaSetDevice(saved_device);
+  }
+  void* Allocate(int device, size_t bytes) {
+    void* pointer = nullptr;
+    Check(cudaSetDevice(device), "cudaSetDevice");
+    Check(cudaMalloc(&pointer, bytes), "cudaMalloc");
+    buffers.emplace_back(device, pointer);
+    return pointer;
+  }
+};
+
 // Seconds per call of enqueue(stream) on the current device: 3 warm-up calls, then the mean of `iters` between
 // two CUDA events.
 template <typename Enqueue>
-double SecondsPer(int iters, Enqueue enqueue) {
-  cudaStream_t stream;
-  cudaEvent_t start, stop;
-  Check(cudaStreamCreate(&stream), "cudaStreamCreate");
-  Check(cudaEventCreate(&start), "cudaEventCreate");
-  Check(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 3; ++i) enqueue(stream);
-  Check(cudaEventRecord(start, stream), "cudaEventRecord");
-  for (int i = 0; i < iters; ++i) enqueue(stream);
-  Check(cudaEventRecord(stop, stream), "cudaEventRecord");
-  Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+double SecondsPer(TimingScratch& scratch, int iters, Enqueue enqueue) {
+  if (iters < 1) throw nb::value_error("jax_ep timing: iters must be at least 1");
+  Check(cudaStreamCreate(&scratch.stream), "cudaStreamCreate");
+  Check(cudaEventCreate(&scratch.start), "cudaEventCreate");
+  Check(cudaEventCreate(&scratch.stop), "cudaEventCreate");
+  for (int i = 0; i < 3; ++i) enqueue(scratch.stream);
+  Check(cudaEventRecord(scratch.start, scratch.stream), "cudaEventRecord");
+  for (int i = 0; i < iters; ++i) enqueue(scratch.stream);
+  Check(cudaEventRecord(scratch.stop, scratch.stream), "cudaEventRecord");
+  Check(cudaEventSynchronize(scratch.stop), "cudaEventSynchronize");
   float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
+  Check(cudaEventElapsedTime(&ms, scratch.start, scratch.stop), "cudaEventElapsedTime");
   return ms / 1e3 / iters;
 }
 
 // Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
 // exchange with.
 double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
-  int saved = 0;
-  cudaGetDevice(&saved);
-  void *from = nullptr, *to = nullptr;
-  Check(cudaSetDevice(dst), "cudaSetDevice");
-  Check(cudaMalloc(&to, bytes), "cudaMalloc");
-  Check(cudaSetDevice(src), "cudaSetDevice");
-  Check(cudaMalloc(&from, bytes), "cudaMalloc");
+  TimingScratch scratch;
+  void* to = scratch.Allocate(dst, bytes);
+  void* from = scratch.Allocate(src, bytes);
   Check(cudaMemset(from, 0x5a, bytes), "cudaMemset");
   cudaDeviceEnablePeerAccess(dst, 0);
-  cudaGetLastError();
-  const double seconds = SecondsPer(iters, [&](cudaStream_t stream) {
+  cudaGetLastError();  // already enabled, or the same GPU: not an error here
+  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
     Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
   });
-  cudaFree(from);
-  cudaSetDevice(dst);
-  cudaFree(to);
-  cudaSetDevice(saved);
-  return seconds;
 }
 
 // Seconds per cudaMemsetAsync of `bytes` on GPU `device`: writes only, the ceiling of an op that mostly writes.
 double FillSeconds(int device, size_t bytes, int iters) {
-  int saved = 0;
-  cudaGetDevice(&saved);
-  void* to = nullptr;
-  Check(cudaSetDevice(device), "cudaSetDevice");
-  Check(cudaMalloc(&to, bytes), "cudaMalloc");
+  TimingScratch scratch;
+  void* to = scratch.Allocate(device, bytes);
   int value = 0;
-  const double seconds = SecondsPer(iters, [&](cudaStream_t stream) {
+  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
     Check(cudaMemsetAsync(to, 0x40 + (value++ & 0x1f), bytes, stream), "cudaMemsetAsync");
   });
-  cudaFree(to);
-  cudaSetDevice(saved);
-  return seconds;
 }
 
 }  // namespace

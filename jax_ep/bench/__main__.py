@@ -1,6 +1,12 @@
 """Time dispatch and combine next to a plain CUDA peer copy of the same bytes and a ragged_all_to_all baseline.
 
-    python -m jax_ep.bench OUT.json [--suite all | --suite training,decode,sweep,sms]
+    python -m jax_ep.bench OUT.json [--suite all | --suite training,decode,sweep,sms] [--ranks N]
+    python -m jax_ep.bench OUT.json --platform cpu --backends xla   # a dry run: 8 simulated CPU devices, small shapes
+
+The EP group is the first --ranks devices of the platform (default: all of them). The shapes below are the GPU
+defaults; with --platform cpu they default to T=64, H=256, a sweep of T in {16, 32, 64} x H in {128, 256} and 5
+iterations, and the CPU platform gets 8 simulated devices unless XLA_FLAGS sizes it: a dry run of every suite
+in a few minutes on 2 cores, whose times say nothing about GPUs.
 
 training: T=4096 tokens per rank, H=7168, K=8, E=256, bf16, ragged layout, capacity=None, uniform routing;
           cuda and xla backends, the MaxText-style ragged_all_to_all round trip (ragged_baseline.py) with
@@ -36,13 +42,27 @@ from pathlib import Path
 RAGGED_FLAG = "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel"
 # Without the one-shot kernel, XLA 0.11 on GPUs refuses ragged_all_to_all unless its NCCL send/recv path is allowed.
 NCCL_FALLBACK_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
-if "--ragged-flag" in sys.argv:  # a child run for one value of XLA's flag: set it before jax starts a backend
-    flag = sys.argv[sys.argv.index("--ragged-flag") + 1]
-    on_gpu = sys.argv[sys.argv.index("--platform") + 1] == "gpu"
+
+
+def _early_option(name: str) -> str | None:
+    """An option's value read before argparse runs, for settings that must precede jax's start."""
+    for i, arg in enumerate(sys.argv):
+        if arg == name and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+if _early_option("--ragged-flag"):  # a child run for one value of XLA's flag: set it before jax starts a backend
+    flag = _early_option("--ragged-flag")
+    on_gpu = _early_option("--platform") in (None, "gpu")
     extra = f"{RAGGED_FLAG}={flag}" + (f" {NCCL_FALLBACK_FLAG}" if flag == "false" and on_gpu else "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {extra}"
 if "--p2p-off" in sys.argv:
     os.environ["NCCL_P2P_DISABLE"] = "1"
+if _early_option("--platform") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the ragged children share the GPUs with us
 
@@ -73,7 +93,7 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
             part = Path(scratch) / f"ragged_{flag}.json"
             command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag]
             command += ["--hidden", str(hidden), "--ragged-tokens", ",".join(map(str, tokens_list))]
-            command += ["--platform", args.platform]
+            command += ["--platform", args.platform] + (["--ranks", str(args.ranks)] if args.ranks else [])
             progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
             try:
                 done = subprocess.run(command, check=False, timeout=args.ragged_timeout)
@@ -89,13 +109,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="JSON results (and OUT.png with the sweep)")
     parser.add_argument("--suite", default="all", help="all, or a comma list of training, decode, sweep, sms")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--sweep-tokens", default="128,512,2048,4096,8192")
-    parser.add_argument("--sweep-hidden", default="2048,4096,7168")
+    parser.add_argument("--tokens", type=int, help="tokens per rank of the training shape (GPU: 4096, CPU: 256)")
+    parser.add_argument("--hidden", type=int, help="H of the training and decode shapes (GPU: 7168, CPU: 512)")
+    parser.add_argument("--sweep-tokens", help="GPU: 128,512,2048,4096,8192; CPU: 64,128,256")
+    parser.add_argument("--sweep-hidden", help="GPU: 2048,4096,7168; CPU: 256,512")
+    parser.add_argument("--ranks", type=int, help="devices in the EP group (default: all of the platform's)")
     parser.add_argument("--sms", default="8,16,32,64", help="SM budgets of the sms suite (plus all SMs)")
     parser.add_argument("--decode-capacity", type=int, default=32, help="rows per local expert at T=128")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, help="calls per timing loop (GPU: 50, CPU: 10)")
     parser.add_argument("--backends", default="cuda,xla")
     parser.add_argument("--ragged-timeout", type=float, default=150, help="seconds for each ragged baseline run")
     parser.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all baseline")
@@ -104,7 +125,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--p2p-off", action="store_true", help="NCCL_P2P_DISABLE=1 for jax_ep and XLA")
     parser.add_argument("--ragged-flag", choices=("true", "false"), help=argparse.SUPPRESS)
     parser.add_argument("--ragged-tokens", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name, value in PLATFORM_DEFAULTS["cpu" if args.platform == "cpu" else "gpu"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+PLATFORM_DEFAULTS = {
+    "gpu": dict(
+        tokens=4096, hidden=7168, sweep_tokens="128,512,2048,4096,8192", sweep_hidden="2048,4096,7168", iters=50
+    ),
+    "cpu": dict(tokens=64, hidden=256, sweep_tokens="16,32,64", sweep_hidden="128,256", iters=5),
+}
 
 
 def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
@@ -129,10 +162,15 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     args = parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    devices = jax.devices(args.platform)[:2]
+    available = jax.devices(args.platform)
+    if args.ranks is not None and not 1 <= args.ranks <= len(available):
+        raise SystemExit(f"--ranks must be in [1, {len(available)}] ({args.platform} devices here), got {args.ranks}")
+    devices = available[: args.ranks or len(available)]
     ranks = len(devices)
     mesh = jax.make_mesh((ranks,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     exchange = jax.lax.ragged_all_to_all if args.platform == "gpu" else emulated_ragged_all_to_all
+    if not args.ragged_flag:
+        progress(f"EP group: {ranks} of the {len(available)} {args.platform} devices")
 
     if args.ragged_flag:  # child: only the ragged baseline
         out = {}
@@ -159,9 +197,9 @@ def main() -> None:
     )
     all_sms = jax_ep.initialize(mesh, "ep", **cuda_sizes).num_sms if "cuda" in backends else None
 
-    def peer_copy_us(nbytes: int) -> float:
+    def peer_copy_us(nbytes: int) -> float | None:
         if args.platform != "gpu" or ranks < 2:  # one GPU: no peer to copy to (bench/one_gpu_targets.py)
-            return float("nan")
+            return None
         ids = (devices[0].local_hardware_id, devices[1].local_hardware_id)
         return copy_seconds(*ids, nbytes, args.iters) * 1e6
 
@@ -259,10 +297,14 @@ def plot(payload: dict, path: Path) -> None:
         for b in points[0]
         if b in ("cuda", "xla")
     }
-    series["peer copy (cudaMemcpyPeerAsync)"] = [p["remote_bytes_per_rank"] / p["peer_copy_us"] / 1e3 for p in points]
+    if all(p["peer_copy_us"] for p in points):
+        series["peer copy (cudaMemcpyPeerAsync)"] = [
+            p["remote_bytes_per_rank"] / p["peer_copy_us"] / 1e3 for p in points
+        ]
     for flag, runs in payload.get("ragged_all_to_all", {}).get("one_shot", {}).items():
         if all(str(t) in runs for t in tokens):
-            series[f"ragged_all_to_all round trip, one-shot={flag}"] = [
+            emulated = " (emulated on CPU)" if payload["platform"] == "cpu" else ""
+            series[f"ragged_all_to_all round trip, one-shot={flag}{emulated}"] = [
                 2 * p["remote_bytes_per_rank"] / runs[str(p["tokens"])]["roundtrip_us"] / 1e3 for p in points
             ]
     for name, values in series.items():
@@ -274,8 +316,10 @@ def plot(payload: dict, path: Path) -> None:
         ylabel="GB/s of remote bytes",
         title=f"{payload['ranks']} {payload['platform']} devices, H={hidden}, K={TOPK}, E={EXPERTS}, bf16",
     )
+    ax.set_xticks(tokens, labels=[str(t) for t in tokens])
+    ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"wrote {path}")
 
 
@@ -305,15 +349,16 @@ def summary(payload: dict) -> None:
     """The headline numbers, last in the output."""
     training = payload.get("training")
     if training:
-        copy = training["peer_copy_us"]
-        print(f"peer copy of {training['remote_bytes_per_rank'] / 1e6:.1f} MB: {copy:.1f} us")
+        copy, remote_mb = training["peer_copy_us"], training["remote_bytes_per_rank"] / 1e6
+        print(f"peer copy of {remote_mb:.1f} MB: " + (f"{copy:.1f} us" if copy else "not measured (needs 2 GPUs)"))
         for backend in ("cuda", "xla"):
             if backend in training:
                 r = training[backend]
-                print(
-                    f"{backend:6} dispatch {r['dispatch_us']:8.1f} us ({r['dispatch_pct_of_copy']:5.1f}% of copy)"
-                    f"  combine {r['combine_us']:8.1f} us ({r['combine_pct_of_copy']:5.1f}% of copy)"
-                )
+                cells = []
+                for op in ("dispatch", "combine"):
+                    share = f", {r[f'{op}_pct_of_copy']:5.1f}% of copy" if copy else ""
+                    cells.append(f"{op} {r[f'{op}_us']:8.1f} us ({r[f'{op}_gbps']:7.2f} GB/s{share})")
+                print(f"{backend:6} " + "  ".join(cells))
         fp8 = training.get("fp8")
         if fp8:
             print(

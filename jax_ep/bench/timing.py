@@ -136,12 +136,13 @@ def time_backend(
     return {name: seconds_per_call(step, args, iters, adaptive) * 1e6 for name, step, args in steps}
 
 
-def with_rates(result: dict, remote_bytes: int, copy_us: float) -> dict:
-    """Adds GB/s of remote bytes and the share of the peer copy's bandwidth to dispatch and combine timings."""
+def with_rates(result: dict, remote_bytes: int, copy_us: float | None) -> dict:
+    """Adds GB/s of remote bytes and the share of the peer copy's bandwidth (None without a peer copy) to
+    dispatch and combine timings."""
     for op in ("dispatch", "combine"):
         us = result[f"{op}_us"]
         result[f"{op}_gbps"] = remote_bytes / us / 1e3
-        result[f"{op}_pct_of_copy"] = 100 * copy_us / us
+        result[f"{op}_pct_of_copy"] = 100 * copy_us / us if copy_us else None
     return result
 
 
