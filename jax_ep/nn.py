@@ -204,6 +204,22 @@ class MoE(nnx.Module):
         if not 1 <= topk <= num_experts:
             raise ValueError(f"jax_ep.nn.MoE: topk must be in [1, num_experts={num_experts}], got {topk}")
         check_wire_dtype(wire_dtype, hidden)
+        if isinstance(data_axes, (str, bytes)) or not isinstance(data_axes, Sequence):
+            raise TypeError(
+                f"jax_ep.nn.MoE: data_axes must be a sequence of mesh axis names, e.g. ({data_axes!r},), "
+                f"got {data_axes!r}"
+            )
+        for axis in data_axes:
+            if axis not in mesh.shape or axis == axis_name:
+                raise ValueError(
+                    f"jax_ep.nn.MoE: data_axes must name mesh axes other than axis_name {axis_name!r}; "
+                    f"{axis!r} is not one of {tuple(a for a in mesh.shape if a != axis_name)}"
+                )
+        if len(set(data_axes)) != len(data_axes):
+            raise ValueError(f"jax_ep.nn.MoE: data_axes names an axis twice: {tuple(data_axes)}")
+        if capacity is not None:
+            check_positive_int("capacity", capacity)
+        check_positive_int("expert_alignment", expert_alignment)
         if not isinstance(overlap, bool):
             raise TypeError(f"jax_ep.nn.MoE: overlap must be a bool, got {overlap!r}")
         self.num_experts = num_experts

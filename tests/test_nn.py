@@ -126,6 +126,29 @@ def test_bad_arguments():
         model(jnp.zeros((12, HIDDEN)))
 
 
+def test_construction_checks_axes_capacity_and_alignment():
+    mesh = cpu_mesh((2, 4), ("data", "ep"))
+
+    def build(**kwargs):
+        return MoE(HIDDEN, INTERMEDIATE, num_experts=EXPERTS, topk=TOPK, mesh=mesh, rngs=nnx.Rngs(0), **kwargs)
+
+    with pytest.raises(TypeError, match=r"sequence of mesh axis names, e.g. \('data',\)"):
+        build(data_axes="data")  # would otherwise be split into the letters d, a, t, a
+    with pytest.raises(ValueError, match="'model' is not one of \\('data',\\)"):
+        build(data_axes=("model",))
+    with pytest.raises(ValueError, match="other than axis_name"):
+        build(data_axes=("ep",))
+    with pytest.raises(ValueError, match="twice"):
+        build(data_axes=("data", "data"))
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        build(data_axes=("data",), capacity=0)
+    with pytest.raises(TypeError, match="capacity must be an int"):
+        build(data_axes=("data",), capacity=2.5)
+    with pytest.raises(ValueError, match="expert_alignment must be a positive int"):
+        build(data_axes=("data",), expert_alignment=0)
+    assert build(data_axes=["data"], capacity=4, expert_alignment=2).token_axes == ("data", "ep")
+
+
 def test_jax_ep_does_not_import_flax():
     code = "import sys, jax_ep; assert 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
