@@ -2,9 +2,12 @@
 // expert, then token, as the ragged layout at R=1), moved in several patterns with every destination precomputed:
 // what bounds DispatchKernel's scatter, apart from routing and the protocol. Standalone, no jax_ep code:
 //   nvcc -arch=sm_90 -O3 -std=c++17 -o /tmp/write_patterns bench/write_patterns.cu && /tmp/write_patterns
-// Prints device µs per launch (CUDA events, 20 launches after 3 warm-ups) and the write rate of each pattern.
+// Prints device µs per launch (CUDA events, 20 launches after 3 warm-ups) and the write rate of each pattern;
+// after each timing the rows are poisoned, written once more and compared with their tokens (x holds random
+// bytes), and the exit status is 1 if any pattern wrote a wrong row.
 #include <cuda_runtime.h>
 #include <cstdio>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 #include <random>
@@ -74,6 +77,35 @@ __global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_o
   }
 }
 
+// Scatter with kPer 16-byte words per lane, the next step's loads issued before the current step's stores.
+template <int kPer>
+__global__ void __launch_bounds__(1024) ScatterPipelined(const char* x, const int* dest, char* out, int pieces) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * 32, first = blockIdx.x * 32 + threadIdx.x / 32;
+  const int piece_bytes = ROW / pieces, n = piece_bytes / 16, step = 32 * kPer;
+  for (int item = first; item < T * pieces; item += warps) {
+    const int t = item / pieces, piece = item % pieces;
+    int rows[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
+    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
+    uint4 now[kPer], next[kPer];
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) { int i = lane + 32 * m; if (i < n) now[m] = s[i]; }
+    for (int base = 0; base < n; base += step) {
+#pragma unroll
+      for (int m = 0; m < kPer; ++m) { int i = base + step + lane + 32 * m; if (i < n) next[m] = s[i]; }
+      for (int k = 0; k < K; ++k) {
+        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
+#pragma unroll
+        for (int m = 0; m < kPer; ++m) { int i = base + lane + 32 * m; if (i < n) d[i] = now[m]; }
+      }
+#pragma unroll
+      for (int m = 0; m < kPer; ++m) now[m] = next[m];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(1024) Fill(uint4* out, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     out[i] = make_uint4(1, 2, 3, 4);
@@ -103,34 +135,61 @@ int main() {
   char *x, *out; int *d_dest, *d_tok;
   CK(cudaMalloc(&x, (size_t)T * ROW)); CK(cudaMalloc(&out, (size_t)N * ROW));
   CK(cudaMalloc(&d_dest, T * K * 4)); CK(cudaMalloc(&d_tok, N * 4));
-  CK(cudaMemset(x, 0x3c, (size_t)T * ROW));
+  std::vector<unsigned char> hx((size_t)T * ROW);
+  for (size_t i = 0; i < hx.size(); ++i) hx[i] = static_cast<unsigned char>(rng() >> 7);
+  CK(cudaMemcpy(x, hx.data(), hx.size(), cudaMemcpyHostToDevice));
+  std::vector<unsigned char> hout((size_t)N * ROW);
   CK(cudaMemcpy(d_dest, dest.data(), T * K * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_tok, token_of_row.data(), N * 4, cudaMemcpyHostToDevice));
   const size_t bytes = (size_t)N * ROW;
   const double floor_bytes = bytes + (double)T * ROW;
-  auto report = [&](const char* name, float us) { printf("%-40s %8.1f us  writes %6.0f GB/s\n", name, us, bytes / us / 1e3); };
+  int wrong_variants = 0;
+  const std::vector<int>* token_of = &token_of_row;
+  // After a timing: poison the rows, run once more, and check every row against its token (writes-only: skipped).
+  auto verify = [&](auto launch) {
+    if (cudaMemset(out, 0xff, bytes) != cudaSuccess) return false;
+    launch();
+    if (cudaMemcpy(hout.data(), out, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+    for (int r = 0; r < N; ++r) {
+      if (memcmp(hout.data() + (size_t)r * ROW, hx.data() + (size_t)(*token_of)[r] * ROW, ROW) != 0) return false;
+    }
+    return true;
+  };
+  auto report = [&](const char* name, float us) { printf("%-48s %8.1f us  writes %6.0f GB/s\n", name, us, bytes / us / 1e3); };
+  auto timed = [&](const char* name, auto launch) {
+    const float us = Time(launch);
+    const bool ok = verify(launch);
+    wrong_variants += !ok;
+    printf("%-48s %8.1f us  writes %6.0f GB/s  %s\n", name, us, bytes / us / 1e3, ok ? "rows checked" : "WRONG ROWS");
+  };
   report("cudaMemsetAsync (writes only)", Time([&] { cudaMemsetAsync(out, 7, bytes); }));
   report("fill kernel 132x1024 (writes only)", Time([&] { Fill<<<132, 1024>>>((uint4*)out, bytes / 16); }));
   report("fill kernel 1056x1024 (writes only)", Time([&] { Fill<<<1056, 1024>>>((uint4*)out, bytes / 16); }));
   for (int pieces : {1, 2, 4}) {
     char name[64];
-    snprintf(name, 64, "scatter plain, %d pieces", pieces); report(name, Time([&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, pieces); }));
-    snprintf(name, 64, "scatter __stcs, %d pieces", pieces); report(name, Time([&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, pieces); }));
-    snprintf(name, 64, "scatter row by row, %d pieces", pieces); report(name, Time([&] { Scatter<2><<<132, 1024>>>(x, d_dest, out, pieces); }));
-    snprintf(name, 64, "gather plain, %d pieces", pieces); report(name, Time([&] { Gather<0><<<132, 1024>>>(x, d_tok, out, pieces); }));
-    snprintf(name, 64, "gather __stcs, %d pieces", pieces); report(name, Time([&] { Gather<1><<<132, 1024>>>(x, d_tok, out, pieces); }));
+    snprintf(name, 64, "scatter plain, %d pieces", pieces); timed(name, [&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, pieces); });
+    snprintf(name, 64, "scatter __stcs, %d pieces", pieces); timed(name, [&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, pieces); });
+    snprintf(name, 64, "scatter row by row, %d pieces", pieces); timed(name, [&] { Scatter<2><<<132, 1024>>>(x, d_dest, out, pieces); });
+    snprintf(name, 64, "gather plain, %d pieces", pieces); timed(name, [&] { Gather<0><<<132, 1024>>>(x, d_tok, out, pieces); });
+    snprintf(name, 64, "gather __stcs, %d pieces", pieces); timed(name, [&] { Gather<1><<<132, 1024>>>(x, d_tok, out, pieces); });
   }
   {
-    std::vector<int> seq(T * K);
-    for (int i = 0; i < T * K; ++i) seq[i] = i;
+    std::vector<int> seq(T * K), seq_token(N);
+    for (int i = 0; i < T * K; ++i) seq[i] = i, seq_token[i] = i / K;
     CK(cudaMemcpy(d_dest, seq.data(), T * K * 4, cudaMemcpyHostToDevice));
-    report("broadcast to consecutive rows, 2 pieces", Time([&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, 2); }));
-    report("broadcast to consecutive rows __stcs", Time([&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, 2); }));
+    token_of = &seq_token;
+    timed("broadcast to consecutive rows, 2 pieces", [&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, 2); });
+    timed("broadcast to consecutive rows __stcs", [&] { Scatter<1><<<132, 1024>>>(x, d_dest, out, 2); });
+    token_of = &token_of_row;
     CK(cudaMemcpy(d_dest, dest.data(), T * K * 4, cudaMemcpyHostToDevice));
   }
-  report("scatter plain 2 pieces, 264 blocks", Time([&] { Scatter<0><<<264, 1024>>>(x, d_dest, out, 2); }));
-  report("gather plain 1 piece, 264 blocks", Time([&] { Gather<0><<<264, 1024>>>(x, d_tok, out, 1); }));
+  timed("scatter pipelined, 4 words a lane, 2 pieces", [&] { ScatterPipelined<4><<<132, 1024>>>(x, d_dest, out, 2); });
+  timed("scatter pipelined, 2 words a lane, 2 pieces", [&] { ScatterPipelined<2><<<132, 1024>>>(x, d_dest, out, 2); });
+  timed("scatter pipelined, 4 words a lane, 1 piece", [&] { ScatterPipelined<4><<<132, 1024>>>(x, d_dest, out, 1); });
+  timed("scatter pipelined, 4 words, 2 pieces, 264 blocks", [&] { ScatterPipelined<4><<<264, 1024>>>(x, d_dest, out, 2); });
+  timed("scatter plain 2 pieces, 264 blocks", [&] { Scatter<0><<<264, 1024>>>(x, d_dest, out, 2); });
+  timed("gather plain 1 piece, 264 blocks", [&] { Gather<0><<<264, 1024>>>(x, d_tok, out, 1); });
   CK(cudaGetLastError());
-  printf("floor bytes %.1f MB\n", floor_bytes / 1e6);
-  return 0;
+  printf("floor bytes %.1f MB; variants with wrong rows: %d\n", floor_bytes / 1e6, wrong_variants);
+  return wrong_variants ? 1 : 0;
 }
