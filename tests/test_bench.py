@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,12 @@ def test_sanitizer_reports_are_counted_by_their_first_line_and_function():
             first_host_frames=["cudaMemcpyAsync [0x1] in libcudart.so", "Publish in group.cc:245"],
         ),
     ]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_write_patterns_program_compiles(tmp_path):
+    """bench/write_patterns.cu is a standalone program outside the extension's build: CI compiles it here."""
+    source = ROOT / "bench" / "write_patterns.cu"
+    command = ["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-o", str(tmp_path / "write_patterns"), str(source)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
