@@ -105,18 +105,31 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
     return results
 
 
+PLATFORM_DEFAULTS = {
+    "gpu": dict(
+        tokens=4096, hidden=7168, sweep_tokens="128,512,2048,4096,8192", sweep_hidden="2048,4096,7168", iters=50
+    ),
+    "cpu": dict(tokens=64, hidden=256, sweep_tokens="16,32,64", sweep_hidden="128,256", iters=5),
+}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="JSON results (and OUT.png with the sweep)")
     parser.add_argument("--suite", default="all", help="all, or a comma list of training, decode, sweep, sms")
-    parser.add_argument("--tokens", type=int, help="tokens per rank of the training shape (GPU: 4096, CPU: 256)")
-    parser.add_argument("--hidden", type=int, help="H of the training and decode shapes (GPU: 7168, CPU: 512)")
-    parser.add_argument("--sweep-tokens", help="GPU: 128,512,2048,4096,8192; CPU: 64,128,256")
-    parser.add_argument("--sweep-hidden", help="GPU: 2048,4096,7168; CPU: 256,512")
+    gpu, cpu = PLATFORM_DEFAULTS["gpu"], PLATFORM_DEFAULTS["cpu"]
+
+    def default(name: str) -> str:
+        return f"GPU: {gpu[name]}; CPU: {cpu[name]}"
+
+    parser.add_argument("--tokens", type=int, help=f"tokens per rank of the training shape ({default('tokens')})")
+    parser.add_argument("--hidden", type=int, help=f"H of the training and decode shapes ({default('hidden')})")
+    parser.add_argument("--sweep-tokens", help=default("sweep_tokens"))
+    parser.add_argument("--sweep-hidden", help=default("sweep_hidden"))
     parser.add_argument("--ranks", type=int, help="devices in the EP group (default: all of the platform's)")
     parser.add_argument("--sms", default="8,16,32,64", help="SM budgets of the sms suite (plus all SMs)")
     parser.add_argument("--decode-capacity", type=int, default=32, help="rows per local expert at T=128")
-    parser.add_argument("--iters", type=int, help="calls per timing loop (GPU: 50, CPU: 10)")
+    parser.add_argument("--iters", type=int, help=f"calls per timing loop ({default('iters')})")
     parser.add_argument("--backends", default="cuda,xla")
     parser.add_argument("--ragged-timeout", type=float, default=150, help="seconds for each ragged baseline run")
     parser.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all baseline")
@@ -130,14 +143,6 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
-
-
-PLATFORM_DEFAULTS = {
-    "gpu": dict(
-        tokens=4096, hidden=7168, sweep_tokens="128,512,2048,4096,8192", sweep_hidden="2048,4096,7168", iters=50
-    ),
-    "cpu": dict(tokens=64, hidden=256, sweep_tokens="16,32,64", sweep_hidden="128,256", iters=5),
-}
 
 
 def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
