@@ -26,8 +26,8 @@ CASES = {
     "all_empty": (96, 64, 64, [0, 0, 0], True),
     "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
     "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
-    # Groups of about M / G rows: on CUDA the padded dense path (every group fits its 352 rows), and one group
-    # of 400 rows, which does not fit, so the kernels run.
+    # Groups of about M / G rows, all within the padded path's 352 rows, and one group of 400 that is not (with
+    # fewer than 256 groups the kernels run on CUDA either way; the padded functions are tested alone below).
     "even": (2048, 128, 192, [250, 260, 255, 262, 248, 251, 259, 253], True),
     "uneven": (2048, 128, 192, [400, 200, 255, 262, 200, 251, 259, 200], True),
 }
