@@ -15,6 +15,21 @@
 constexpr int T = 4096, K = 8, E = 256, ROW = 7168 * 2, N = T * K, PER = 4;
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
+// One warp's step of a piece of n 16-byte words: lane's words base + lane + 32 m, for m < kPer.
+template <int kPer>
+__device__ __forceinline__ void LoadStep(const uint4* s, int base, int n, int lane, uint4 (&part)[kPer]) {
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
+}
+template <bool kStreaming, int kPer>
+__device__ __forceinline__ void StoreStep(uint4* d, int base, int n, int lane, const uint4 (&part)[kPer]) {
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {
+    int i = base + lane + 32 * m;
+    if (i < n) { if (kStreaming) __stcs(d + i, part[m]); else d[i] = part[m]; }
+  }
+}
+
 template <int kMode>  // 0 plain stores, 1 __stcs stores, 2 row by row (reload from L1/L2)
 __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, char* out, int pieces) {
   const int lane = threadIdx.x % 32;
@@ -27,31 +42,23 @@ __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, 
     for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
     const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
     const int n = piece_bytes / 16;
+    uint4 part[PER];
     if constexpr (kMode == 2) {
       for (int k = 0; k < K; ++k) {
         uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
         for (int base = 0; base < n; base += 32 * PER) {
-          uint4 part[PER];
-#pragma unroll
-          for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
-#pragma unroll
-          for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) d[i] = part[m]; }
+          LoadStep(s, base, n, lane, part);
+          StoreStep<false>(d, base, n, lane, part);
         }
       }
     } else {
-    for (int base = 0; base < n; base += 32 * PER) {
-      uint4 part[PER];
-#pragma unroll
-      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
-      for (int k = 0; k < K; ++k) {
-        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
-#pragma unroll
-        for (int m = 0; m < PER; ++m) {
-          int i = base + lane + 32 * m;
-          if (i < n) { if (kMode == 1) __stcs(d + i, part[m]); else d[i] = part[m]; }
+      for (int base = 0; base < n; base += 32 * PER) {
+        LoadStep(s, base, n, lane, part);
+        for (int k = 0; k < K; ++k) {
+          StoreStep<kMode == 1>(reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes), base, n,
+                                lane, part);
         }
       }
-    }
     }
   }
 }
@@ -67,12 +74,10 @@ __global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_o
     const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
     uint4* d = reinterpret_cast<uint4*>(out + (size_t)r * ROW + piece * piece_bytes);
     const int n = piece_bytes / 16;
+    uint4 part[PER];
     for (int base = 0; base < n; base += 32 * PER) {
-      uint4 part[PER];
-#pragma unroll
-      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) part[m] = s[i]; }
-#pragma unroll
-      for (int m = 0; m < PER; ++m) { int i = base + lane + 32 * m; if (i < n) { if (kMode) __stcs(d + i, part[m]); else d[i] = part[m]; } }
+      LoadStep(s, base, n, lane, part);
+      StoreStep<kMode == 1>(d, base, n, lane, part);
     }
   }
 }
@@ -90,15 +95,12 @@ __global__ void __launch_bounds__(1024) ScatterPipelined(const char* x, const in
     for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
     const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
     uint4 now[kPer], next[kPer];
-#pragma unroll
-    for (int m = 0; m < kPer; ++m) { int i = lane + 32 * m; if (i < n) now[m] = s[i]; }
+    LoadStep(s, 0, n, lane, now);
     for (int base = 0; base < n; base += step) {
-#pragma unroll
-      for (int m = 0; m < kPer; ++m) { int i = base + step + lane + 32 * m; if (i < n) next[m] = s[i]; }
+      LoadStep(s, base + step, n, lane, next);
       for (int k = 0; k < K; ++k) {
-        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
-#pragma unroll
-        for (int m = 0; m < kPer; ++m) { int i = base + lane + 32 * m; if (i < n) d[i] = now[m]; }
+        StoreStep<false>(reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes), base, n, lane,
+                         now);
       }
 #pragma unroll
       for (int m = 0; m < kPer; ++m) now[m] = next[m];
