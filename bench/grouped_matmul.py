@@ -42,6 +42,7 @@ import numpy as np
 import jax_ep
 from jax_ep import _grouped_matmul as gm
 from jax_ep import _mosaic_gmm as mk
+from jax_ep import _padded_gmm as padded
 
 SHAPES = ((32768, 7168, 2048, 32), (32768, 7168, 2048, 256), (8192, 4096, 1024, 64))
 START = time.perf_counter()
@@ -167,6 +168,23 @@ def gmm_fns(plan: gm.Plan):
         "fwd_tiles": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, tiles)),
         "dx_upstream": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, upstream)),
         "dx_tiles": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, tiles)),
+        "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
+    }
+
+
+def padded_fns(rows: int):
+    """The padded dense path alone (every group must fit), and its dw with the output asked in float32 and rounded
+    after the GEMM, as jax_ep did before, to see what that round trip costs."""
+
+    def dw_f32(x, dy, s):
+        xp, dyp = padded.pad(x, s, rows), padded.pad(dy, s, rows)
+        return jnp.einsum("gck,gcn->gkn", xp, dyp, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    return {
+        "fwd_padded": jax.jit(lambda x, w, s: padded.fwd(x, w, s, rows)),
+        "dx_padded": jax.jit(lambda dy, w, s: padded.dx(dy, w, s, rows)),
+        "dw_padded": jax.jit(lambda x, dy, s: padded.dw(x, dy, s, rows)),
+        "dw_padded_f32": jax.jit(dw_f32),
     }
 
 
@@ -237,11 +255,14 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     for op, fn in dense_fns().items():
         times[f"einsum_{op}"] = time_call(fn, dargs[op], iters)
     fns = gmm_fns(plan)
+    rows = padded.padded_rows(m, g)
+    if rows is not None:
+        fns.update(padded_fns(rows))
     for kind in KINDS:
         s = jnp.asarray(group_sizes(kind, m, g))
         for op, fn in fns.items():
             if kind == "skewed" and op not in ("fwd", "dx", "dw"):
-                continue
+                continue  # the kernels alone are timed on the other sizes, and the padded path needs them to fit
             args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op.startswith("dw") else (dy, w, s))
             try:
                 times[f"gmm_{op}_{kind}"] = time_call(fn, args, iters)
@@ -273,6 +294,10 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
         op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")  # gmm_<op>[_<kernel>]_<kind>
         row["ratio_vs_einsum"][name] = times[f"einsum_{op}"] / t
     return row
+
+
+OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_padded", "dx", "dx_upstream", "dx_tiles", "dx_padded", "dw")
+OPS += ("dw_kernel", "dw_padded", "dw_padded_f32")
 
 
 # The tile sweep.
@@ -410,7 +435,7 @@ def main() -> None:
     for r in rows:
         name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
         tf, ratio = r["tflops"], r["ratio_vs_einsum"]
-        for op in ("fwd", "fwd_upstream", "fwd_tiles", "dx", "dx_upstream", "dx_tiles", "dw"):
+        for op in OPS:
             base = op.split("_")[0]
             rd = tf.get(f"ragged_dot_{op}")
             rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"

@@ -108,6 +108,56 @@ __global__ void __launch_bounds__(1024) ScatterPipelined(const char* x, const in
   }
 }
 
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Scatter by the Tensor Memory Accelerator: lane 0 of each of kIssuers warps bulk-loads a piece of a token into
+// one of its kStages shared buffers (an mbarrier counts the bytes in) and bulk-stores it to the token's K rows,
+// keeping kStages - 1 loads in flight behind the stores; the SM's threads issue nothing per 16 bytes.
+template <int kIssuers, int kStages>
+__global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const int* dest, char* out, int pieces) {
+  extern __shared__ __align__(128) unsigned char staged[];
+  __shared__ __align__(8) uint64_t landed[kIssuers][kStages];
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 != 0) return;
+  const int piece_bytes = ROW / pieces;
+  unsigned char* buffers = staged + static_cast<size_t>(warp) * kStages * piece_bytes;
+  for (int s = 0; s < kStages; ++s) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&landed[warp][s])));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const int issuers = gridDim.x * kIssuers, first = blockIdx.x * kIssuers + warp, items = T * pieces;
+  auto load = [&](int j) {  // this issuer's j-th item into stage j % kStages
+    const int item = first + j * issuers;
+    if (item >= items) return;
+    const int s = j % kStages;
+    const uint32_t bar = SharedAddress(&landed[warp][s]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(piece_bytes) : "memory");
+    const char* src = x + static_cast<size_t>(item / pieces) * ROW + (item % pieces) * piece_bytes;
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(SharedAddress(buffers + s * piece_bytes)), "l"(src), "r"(piece_bytes), "r"(bar) : "memory");
+  };
+  for (int j = 0; j < kStages - 1; ++j) load(j);
+  for (int j = 0; first + j * issuers < items; ++j) {
+    const int item = first + j * issuers, t = item / pieces, piece = item % pieces, s = j % kStages;
+    const uint32_t bar = SharedAddress(&landed[warp][s]), parity = (j / kStages) & 1;
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
+    const uint32_t from = SharedAddress(buffers + s * piece_bytes);
+    for (int k = 0; k < K; ++k) {
+      char* to = out + static_cast<size_t>(dest[t * K + k]) * ROW + piece * piece_bytes;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to), "r"(from), "r"(piece_bytes)
+                   : "memory");
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // item j - 1's buffer is free again
+    load(j + kStages - 1);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 __global__ void __launch_bounds__(1024) Fill(uint4* out, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     out[i] = make_uint4(1, 2, 3, 4);
@@ -191,6 +241,20 @@ int main() {
   timed("scatter pipelined, 4 words, 2 pieces, 264 blocks", [&] { ScatterPipelined<4><<<264, 1024>>>(x, d_dest, out, 2); });
   timed("scatter plain 2 pieces, 264 blocks", [&] { Scatter<0><<<264, 1024>>>(x, d_dest, out, 2); });
   timed("gather plain 1 piece, 264 blocks", [&] { Gather<0><<<264, 1024>>>(x, d_tok, out, 1); });
+  auto tma = [&](const char* name, auto kernel, int issuers, int stages, int pieces) {
+    const int shared = issuers * stages * (ROW / pieces);
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess) {
+      printf("%-48s cannot get %d bytes of shared memory\n", name, shared);
+      ++wrong_variants;
+      return;
+    }
+    timed(name, [&] { kernel<<<132, issuers * 32, shared>>>(x, d_dest, out, pieces); });
+  };
+  tma("TMA scatter, 8 issuers, 3 stages, 2 pieces", ScatterTma<8, 3>, 8, 3, 2);
+  tma("TMA scatter, 16 issuers, 3 stages, 4 pieces", ScatterTma<16, 3>, 16, 3, 4);
+  tma("TMA scatter, 4 issuers, 3 stages, 1 piece", ScatterTma<4, 3>, 4, 3, 1);
+  tma("TMA scatter, 8 issuers, 4 stages, 4 pieces", ScatterTma<8, 4>, 8, 4, 4);
+  tma("TMA scatter, 32 issuers, 2 stages, 8 pieces", ScatterTma<32, 2>, 32, 2, 8);
   CK(cudaGetLastError());
   printf("floor bytes %.1f MB; variants with wrong rows: %d\n", floor_bytes / 1e6, wrong_variants);
   return wrong_variants ? 1 : 0;

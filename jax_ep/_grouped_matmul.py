@@ -262,7 +262,7 @@ def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
 
-    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes)
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded)
 
 
 # The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).

@@ -1,7 +1,8 @@
-"""The grouped matmul's forward pass and ``dx`` as a dense batched matmul over groups padded to a fixed size.
+"""The grouped matmul's forward pass, ``dx`` and ``dw`` as a dense batched matmul over groups padded to a fixed size.
 
 Each group's rows are gathered into ``[G, C, ...]`` (zeros past the group's size), multiplied by a batched
-``einsum`` (XLA's dense GEMM, float32 accumulation, one rounding), and gathered back into the ragged rows.
+``einsum`` (XLA's dense GEMM, float32 accumulation, one rounding), and (forward, ``dx``) gathered back into the
+ragged rows.
 It holds only while every group has at most ``C`` rows, so :mod:`jax_ep._grouped_matmul` runs it under a
 ``lax.cond`` on ``max(group_sizes) <= C``, with the Mosaic kernels as the other branch. With groups of about
 ``M / G`` rows each it does ``C / (M / G)`` times the useful flops, which :func:`padded_rows` keeps at most
@@ -63,17 +64,25 @@ def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.where(held[:, None], jnp.take(p.reshape(g * rows, d), index, axis=0), 0)
 
 
-def _einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(dtype)
+def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    # Output in the operands' type: XLA's GEMM accumulates bf16 in float32 and rounds once as it stores, where
+    # asking for float32 and rounding after it would write and read the output twice more (15 GB for dw at 256
+    # groups of the MoE layer's shape).
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.result_type(a, b))
 
 
 def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``ragged_dot(x, w, group_sizes)``, 0 past ``sum(group_sizes)``."""
-    y = _einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w, jnp.result_type(x, w))
+    y = _einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w)
     return unpad(y, group_sizes, x.shape[0])
 
 
 def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``."""
-    d = _einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w, jnp.result_type(dy, w))
+    d = _einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w)
     return unpad(d, group_sizes, dy.shape[0])
+
+
+def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``dw[g] = x_g^T dy_g`` over each group's rows (``[G, K, N]``; 0 for an empty group)."""
+    return _einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))

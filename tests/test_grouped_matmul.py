@@ -250,17 +250,20 @@ def test_padded_rows_cover_groups_of_uniform_routing():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_padded_path_matches_ragged_dot(case):
-    """The padded dense path alone (any platform): NaN past the groups and in the gaps never enters a group."""
+    """The padded dense path alone (any platform), forward, dx and dw: NaN past the groups and in the gaps never
+    enters a group, and an empty group's dw is 0."""
     x, w, sizes, dy = make(case)
     rows = -(-max(int(np.max(sizes)), 1) // 8) * 8 + 8  # every group fits, with rows to spare
-    ops = jax.jit(lambda x, w, s, dy: (padded.fwd(x, w, s, rows), padded.dx(dy, w, s, rows)))
-    y, dx = (np.asarray(v, np.float32) for v in ops(x, w, sizes, dy))
-    y_ref, dx_ref, _ = reference(x, w, sizes, dy)
+    ops = jax.jit(lambda x, w, s, dy: (padded.fwd(x, w, s, rows), padded.dx(dy, w, s, rows), padded.dw(x, dy, s, rows)))
+    y, dx, dw = (np.asarray(v, np.float32) for v in ops(x, w, sizes, dy))
+    y_ref, dx_ref, dw_ref = reference(x, w, sizes, dy)
     s = int(np.sum(sizes))
-    for name, got, want in (("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref)):
+    assert dw.shape == w.shape
+    for name, got, want in (("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
         assert np.all(np.isfinite(got)), f"{name} is not finite"
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(want).max(initial=0))))
     assert np.all(y[s:] == 0) and np.all(dx[s:] == 0), "0 past sum(group_sizes)"
+    assert np.all(dw[np.asarray(sizes) == 0] == 0), "an empty group's dw is 0"
 
 
 def test_custom_vjp_sums_dw_over_the_axes_w_is_replicated_on():
@@ -393,7 +396,7 @@ def test_mosaic_kernels_are_what_runs():
 @hopper
 @pytest.mark.parametrize("skew", [False, True])
 def test_many_groups_take_the_padded_path_where_they_fit(skew):
-    """256 groups of about 128 rows: the forward and dx hold the padded path under a conditional, and match a
+    """256 groups of about 128 rows: the forward, dx and dw hold the padded path under a conditional, and match a
     per-group float32 matmul with every group fitting (the padded path) and with one group too large (the kernels)."""
     m, k, n, g = 32768, 64, 128, 256
     rng = np.random.default_rng(3)
@@ -409,15 +412,15 @@ def test_many_groups_take_the_padded_path_where_they_fit(skew):
     args = [jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes)]
     step = functools.partial(vjp_step, functools.partial(jax_ep.grouped_matmul, impl="mosaic"))
     hlo = jax.jit(step).lower(*args, jnp.asarray(dy, jnp.bfloat16)).compile().as_text()
-    assert hlo.count("conditional(") >= 2, "expected a conditional for the forward and for dx"
-    y, dx, _ = jax.jit(step)(*args, jnp.asarray(dy, jnp.bfloat16))
-    y, dx = np.asarray(y, np.float32), np.asarray(dx, np.float32)
+    assert hlo.count("conditional(") >= 3, "expected a conditional for the forward, dx and dw"
+    y, dx, dw = (np.asarray(v, np.float32) for v in jax.jit(step)(*args, jnp.asarray(dy, jnp.bfloat16)))
     xb, wb, dyb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, w, dy))
     start = 0
     for group, size in enumerate(sizes):
         rows = slice(start, start + size)
         np.testing.assert_allclose(y[rows], xb[rows] @ wb[group], rtol=2e-2, atol=2e-2 * 4)
         np.testing.assert_allclose(dx[rows], dyb[rows] @ wb[group].T, rtol=2e-2, atol=2e-2 * 4)
+        np.testing.assert_allclose(dw[group], xb[rows].T @ dyb[rows], rtol=2e-2, atol=2e-2 * 16)
         start += size
     assert np.all(dx[start:] == 0)
 
