@@ -158,9 +158,12 @@ __global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+template <bool kVarying>  // the same word everywhere, or words that differ (a hash of the index)
 __global__ void __launch_bounds__(1024) Fill(uint4* out, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    out[i] = make_uint4(1, 2, 3, 4);
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const unsigned h = static_cast<unsigned>(i) * 2654435761u;
+    out[i] = kVarying ? make_uint4(h, h ^ 0x9e3779b9u, h * 40503u, ~h) : make_uint4(1, 2, 3, 4);
+  }
 }
 
 template <typename F>
@@ -215,8 +218,24 @@ int main() {
     printf("%-48s %8.1f us  writes %6.0f GB/s  %s\n", name, us, bytes / us / 1e3, ok ? "rows checked" : "WRONG ROWS");
   };
   report("cudaMemsetAsync (writes only)", Time([&] { cudaMemsetAsync(out, 7, bytes); }));
-  report("fill kernel 132x1024 (writes only)", Time([&] { Fill<<<132, 1024>>>((uint4*)out, bytes / 16); }));
-  report("fill kernel 1056x1024 (writes only)", Time([&] { Fill<<<1056, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill kernel 132x1024 (writes only)", Time([&] { Fill<false><<<132, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill kernel 1056x1024 (writes only)", Time([&] { Fill<false><<<1056, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill kernel 1056x1024, varying words", Time([&] { Fill<true><<<1056, 1024>>>((uint4*)out, bytes / 16); }));
+  {  // does the data's content change what a copy costs? (the floors divide by a copy's bandwidth)
+    char* from;
+    CK(cudaMalloc(&from, bytes));
+    CK(cudaMemset(from, 0x5a, bytes));
+    const float constant_us = Time([&] { cudaMemcpyAsync(out, from, bytes, cudaMemcpyDeviceToDevice); });
+    for (size_t at = 0; at < bytes; at += hx.size()) {
+      CK(cudaMemcpy(from + at, hx.data(), std::min(hx.size(), bytes - at), cudaMemcpyHostToDevice));
+    }
+    const float random_us = Time([&] { cudaMemcpyAsync(out, from, bytes, cudaMemcpyDeviceToDevice); });
+    printf("%-48s %8.1f us  read+write %6.0f GB/s\n", "cudaMemcpyAsync D2D, constant bytes", constant_us,
+           2 * bytes / constant_us / 1e3);
+    printf("%-48s %8.1f us  read+write %6.0f GB/s\n", "cudaMemcpyAsync D2D, random bytes", random_us,
+           2 * bytes / random_us / 1e3);
+    CK(cudaFree(from));
+  }
   for (int pieces : {1, 2, 4}) {
     char name[64];
     snprintf(name, 64, "scatter plain, %d pieces", pieces); timed(name, [&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, pieces); });

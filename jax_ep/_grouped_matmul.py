@@ -49,7 +49,8 @@ class Plan(NamedTuple):
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
     ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row, rounded down to a
     multiple of 8). ``padded``: rows per group of the padded dense path (:mod:`jax_ep._padded_gmm`), which
-    the forward and dx take instead of their kernel when no group is larger, or None for the kernels alone.
+    the ops named in ``padded_ops`` take instead of their kernel when no group is larger, or None for the
+    kernels alone.
     """
 
     fwd: Blocks | None
@@ -57,6 +58,11 @@ class Plan(NamedTuple):
     dw: Blocks | None
     rows: str = "upstream"
     padded: int | None = None
+    padded_ops: tuple[str, ...] = ()
+
+    def padded_rows(self, op: str) -> int | None:
+        """Rows per group of the padded path for ``op``, or None when ``op`` runs its kernel alone."""
+        return self.padded if op in self.padded_ops else None
 
 
 # Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
@@ -71,14 +77,20 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 }
 
 
-# From this many groups up the forward and dx take jax_ep's per-group-tile kernel ("tiles") instead of JAX's, and
-# the padded dense path (jax_ep._padded_gmm) where every group fits. On one H200 at 256 groups of 128 rows on
-# average (M=32768, K=7168, N=2048; bench/results/grouped_matmul_71d5c64_h200x1.json) "tiles" was faster than
-# JAX's kernel (forward 242 against 188 TFLOP/s, dx 216 against 147) and the padded path faster still (311 and
-# 258); at 32 groups both were within 3% of JAX's kernel, and at 64 groups of 128 rows with K=4096, N=1024 both
-# were slower (forward 180 and 163 against 228). dw keeps its kernel: the padded path was no faster (133 against
-# the kernel's 139 at 256 groups). No group count between 64 and 256 was measured.
+# From this many groups up the forward and dx kernel is jax_ep's per-group-tile kernel ("tiles") instead of JAX's:
+# on one H200 at 256 groups of 128 rows on average (M=32768, K=7168, N=2048;
+# bench/results/grouped_matmul_71d5c64_h200x1.json) it was faster (forward 242 against 188 TFLOP/s, dx 216 against
+# 147); at 32 groups both were within 3%, and at 64 groups of 128 rows with K=4096, N=1024 "tiles" was slower
+# (forward 180 against 228). No group count between 64 and 256 was measured.
 MANY_GROUPS = 256
+
+# Where every group fits (jax_ep._padded_gmm.padded_rows), the padded dense path replaces dw's kernel, and the
+# forward's and dx's when each group's weight has at least this many elements. On one H200 at f208684
+# (bench/results/grouped_matmul_f208684_h200x1.json, TFLOP/s with random sizes, padded against the kernel): dw
+# 516 against 534 at 32 groups (K=7168, N=2048), 199 against 142 at 256, 227 against 141 at 64 (K=4096, N=1024);
+# forward 481 against 469 and dx 470 against 370 at 32 groups, 353 against 249 and 350 against 224 at 256, but
+# 214 against 237 and 157 against 183 at 64 groups with the 4096x1024 weights.
+PADDED_MIN_WEIGHT = 1 << 23
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
@@ -106,8 +118,10 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
         return None
     many = g >= MANY_GROUPS
     rows = "upstream" if not many and _mosaic.upstream_signature_ok() else "tiles"
-    padded = _padded.padded_rows(m, g) if many else None
-    plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows=rows, padded=padded)
+    padded = _padded.padded_rows(m, g)
+    padded_ops = ("fwd", "dx", "dw") if k * n >= PADDED_MIN_WEIGHT else ("dw",)
+    blocks = (_pick(op, k, n) for op in ("fwd", "dx", "dw"))
+    plan = Plan(*blocks, rows=rows, padded=padded, padded_ops=padded_ops if padded is not None else ())
     return None if plan[:3] == (None, None, None) else plan
 
 
@@ -148,11 +162,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
     ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
     or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
-    times its square root; :mod:`jax_ep._padded_gmm`), checked on the device, and there are at least 256
-    groups, the forward pass and ``dx`` run instead as one dense batched matmul over the groups padded to
-    ``C`` rows. All accumulate in float32 and round once to the output dtype. Inside the computation the
-    choice between kernel and XLA is made per platform (``jax.lax.platform_dependent``), so the same
-    function also runs on CPU devices.
+    times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep._padded_gmm`), checked on the device,
+    ``dw`` runs instead as one dense batched matmul over the groups padded to ``C`` rows, and so do the forward
+    pass and ``dx`` when ``K * N >= 2**23``. All accumulate in float32 and round once to the output dtype.
+    Inside the computation the choice between kernel and XLA is made per platform
+    (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
     """
     check_choice("impl", impl, IMPLS)
     check_array("x", x, ndim=2, kind="floating")
@@ -247,14 +261,14 @@ def _fwd(x, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.fwd)
 
-    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=plan.padded)
+    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=plan.padded_rows("fwd"))
 
 
 def _dx(dy, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True)
 
-    dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=plan.padded)
+    dx = _op("dx", plan.dx, _xla_dx, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=plan.padded_rows("dx"))
     return jnp.where(_rows_below(dy.shape[0], group_sizes), dx, 0)
 
 
@@ -262,7 +276,7 @@ def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
 
-    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded)
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded_rows("dw"))
 
 
 # The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).

@@ -26,8 +26,9 @@ CASES = {
     "all_empty": (96, 64, 64, [0, 0, 0], True),
     "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
     "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
-    # Groups of about M / G rows, all within the padded path's 352 rows, and one group of 400 that is not (with
-    # fewer than 256 groups the kernels run on CUDA either way; the padded functions are tested alone below).
+    # Groups of about M / G rows, all within the padded path's 352 rows, and one group of 400 that is not: on
+    # CUDA dw takes the padded path for "even" and its kernel for "uneven"; the forward and dx run their kernels
+    # (K * N is small). The padded functions are also tested alone below.
     "even": (2048, 128, 192, [250, 260, 255, 262, 248, 251, 259, 253], True),
     "uneven": (2048, 128, 192, [400, 200, 255, 262, 200, 251, 259, 200], True),
 }
@@ -242,8 +243,14 @@ def test_padded_rows_cover_groups_of_uniform_routing():
     assert padded_rows(600, 25) is None and padded_rows(96, 3) is None  # more than 1.5x the useful flops
     assert padded_rows(0, 4) is None
     bf16 = jnp.bfloat16
-    assert gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16).padded == 192
-    assert gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16).padded is None  # measured slower there
+    many = gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16)
+    assert many.padded == 192 and many.padded_ops == ("fwd", "dx", "dw") and many.padded_rows("dx") == 192
+    few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)
+    assert few.padded == 1184 and few.padded_ops == ("fwd", "dx", "dw")
+    small = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)  # the kernels were faster for fwd and dx there
+    assert small.padded == 192 and small.padded_ops == ("dw",) and small.padded_rows("fwd") is None
+    decode = gm.plan_for((1024, 7168), (256, 7168, 2048), bf16, bf16)  # 4 rows a group: padding would cost too much
+    assert decode.padded is None and decode.padded_ops == () and decode.padded_rows("dw") is None
     assert bool(padded.fits(jnp.asarray(CASES["even"][3], jnp.int32), 352))
     assert not bool(padded.fits(jnp.asarray(CASES["uneven"][3], jnp.int32), 352))
 
@@ -272,7 +279,10 @@ def test_custom_vjp_sums_dw_over_the_axes_w_is_replicated_on():
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    cpus = jax.devices("cpu")  # 8 simulated CPU devices (conftest), also where a single GPU is the default
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices")
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=cpus[:8])
     m, k, n, g = 64, 64, 64, 2
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((8 * m, k)), jnp.bfloat16)

@@ -6,7 +6,10 @@
 #include <nanobind/stl/vector.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -83,13 +86,26 @@ double SecondsPer(TimingScratch& scratch, int iters, Enqueue enqueue) {
   return ms / 1e3 / iters;
 }
 
+// Fills device memory with pseudo-random bytes (a 64 MiB block, repeated), so that nothing in the memory system
+// could make a copy of it cheaper than a copy of real data.
+void FillRandom(void* device_pointer, size_t bytes) {
+  std::vector<uint64_t> block(std::min<size_t>(bytes, size_t{64} << 20) / 8 + 1);
+  std::mt19937_64 random(12345);
+  for (uint64_t& word : block) word = random();
+  char* to = static_cast<char*>(device_pointer);
+  for (size_t at = 0; at < bytes; at += block.size() * 8) {
+    Check(cudaMemcpy(to + at, block.data(), std::min(block.size() * 8, bytes - at), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+  }
+}
+
 // Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
 // exchange with.
 double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
   TimingScratch scratch;
   void* to = scratch.Allocate(dst, bytes);
   void* from = scratch.Allocate(src, bytes);
-  Check(cudaMemset(from, 0x5a, bytes), "cudaMemset");
+  FillRandom(from, bytes);
   cudaDeviceEnablePeerAccess(dst, 0);
   cudaGetLastError();  // already enabled, or the same GPU: not an error here
   return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
