@@ -63,13 +63,15 @@ __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, 
   }
 }
 
+// Rows in the order order[0..N) (nullptr: layout order), each loaded from its token.
 template <int kMode>  // 0 gather plain, 1 gather with __stcs
-__global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_of_row, char* out, int pieces) {
+__global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_of_row, char* out, int pieces,
+                                               const int* order = nullptr) {
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * 32, first = blockIdx.x * 32 + threadIdx.x / 32;
   const int piece_bytes = ROW / pieces;
   for (int item = first; item < N * pieces; item += warps) {
-    const int r = item / pieces, piece = item % pieces;
+    const int r = order == nullptr ? item / pieces : order[item / pieces], piece = item % pieces;
     const int t = token_of_row[r];
     const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
     uint4* d = reinterpret_cast<uint4*>(out + (size_t)r * ROW + piece * piece_bytes);
@@ -158,6 +160,16 @@ __global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// Writes only, each warp (kPerBlock false) or each block (true) filling one contiguous part of the rows.
+template <bool kPerBlock>
+__global__ void __launch_bounds__(1024) FillParts(uint4* out, size_t n) {
+  const size_t parts = kPerBlock ? gridDim.x : gridDim.x * (blockDim.x / 32);
+  const size_t part = kPerBlock ? blockIdx.x : blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const size_t lanes = kPerBlock ? blockDim.x : 32, lane = kPerBlock ? threadIdx.x : threadIdx.x % 32;
+  const size_t per = (n + parts - 1) / parts, end = (part + 1) * per < n ? (part + 1) * per : n;
+  for (size_t i = part * per + lane; i < end; i += lanes) out[i] = make_uint4(i, 2, 3, 4);
+}
+
 template <bool kVarying>  // the same word everywhere, or words that differ (a hash of the index)
 __global__ void __launch_bounds__(1024) Fill(uint4* out, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -221,6 +233,8 @@ int main() {
   report("fill kernel 132x1024 (writes only)", Time([&] { Fill<false><<<132, 1024>>>((uint4*)out, bytes / 16); }));
   report("fill kernel 1056x1024 (writes only)", Time([&] { Fill<false><<<1056, 1024>>>((uint4*)out, bytes / 16); }));
   report("fill kernel 1056x1024, varying words", Time([&] { Fill<true><<<1056, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill, a contiguous part per warp (4224 parts)", Time([&] { FillParts<false><<<132, 1024>>>((uint4*)out, bytes / 16); }));
+  report("fill, a contiguous part per block (132 parts)", Time([&] { FillParts<true><<<132, 1024>>>((uint4*)out, bytes / 16); }));
   {  // does the data's content change what a copy costs? (the floors divide by a copy's bandwidth)
     char* from;
     CK(cudaMalloc(&from, bytes));
@@ -274,6 +288,23 @@ int main() {
   tma("TMA scatter, 4 issuers, 3 stages, 1 piece", ScatterTma<4, 3>, 4, 3, 1);
   tma("TMA scatter, 8 issuers, 4 stages, 4 pieces", ScatterTma<8, 4>, 8, 4, 4);
   tma("TMA scatter, 32 issuers, 2 stages, 8 pieces", ScatterTma<32, 2>, 32, 2, 8);
+  {  // gathers that walk the tokens in chunks (x of a chunk stays in L2), each chunk's rows in layout order
+    int* d_order;
+    CK(cudaMalloc(&d_order, N * 4));
+    for (int chunk : {128, 512, 2048}) {
+      std::vector<int> order(N);
+      for (int r = 0; r < N; ++r) order[r] = r;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return token_of_row[a] / chunk < token_of_row[b] / chunk; });
+      CK(cudaMemcpy(d_order, order.data(), N * 4, cudaMemcpyHostToDevice));
+      char name[64];
+      for (int pieces : {1, 2}) {
+        snprintf(name, 64, "gather by chunks of %d tokens, %d pieces", chunk, pieces);
+        timed(name, [&] { Gather<0><<<132, 1024>>>(x, d_tok, out, pieces, d_order); });
+      }
+    }
+    CK(cudaFree(d_order));
+  }
   CK(cudaGetLastError());
   printf("floor bytes %.1f MB; variants with wrong rows: %d\n", floor_bytes / 1e6, wrong_variants);
   return wrong_variants ? 1 : 0;

@@ -405,16 +405,24 @@ def test_mosaic_kernels_are_what_runs():
 
 @hopper
 @pytest.mark.parametrize("skew", [False, True])
-def test_many_groups_take_the_padded_path_where_they_fit(skew):
-    """256 groups of about 128 rows: the forward, dx and dw hold the padded path under a conditional, and match a
-    per-group float32 matmul with every group fitting (the padded path) and with one group too large (the kernels)."""
-    m, k, n, g = 32768, 64, 128, 256
+@pytest.mark.parametrize(
+    "m,k,n,g,ops",
+    [(32768, 64, 128, 256, ("dw",)), (4096, 4096, 2048, 4, ("fwd", "dx", "dw"))],
+    ids=["256_groups_small_weights", "4_groups_large_weights"],
+)
+def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
+    """The ops of the plan's padded_ops hold the padded path under a conditional, and all three match a per-group
+    float32 matmul with every group fitting (the padded path) and with one group too large (the kernels)."""
+    plan = gm.plan_for((m, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)
+    fit = padded_rows(m, g)
+    assert plan.padded == fit and plan.padded_ops == ops
     rng = np.random.default_rng(3)
     sizes = np.bincount(rng.integers(0, g, m - 100), minlength=g).astype(np.int32)
-    if skew:  # group 0 takes 2 rows from each other group: about 128 + 510 rows, more than the 192 that fit
-        sizes[1:] -= 2
-        sizes[0] += 2 * (g - 1)
-    assert sizes.sum() == m - 100 and (sizes.max() > 192) == skew and sizes.min() >= 0
+    if skew:  # group 0 takes rows from every other group until it no longer fits
+        per = -(-(fit + 10 - sizes[0]) // (g - 1))
+        sizes[1:] -= per
+        sizes[0] += per * (g - 1)
+    assert sizes.sum() == m - 100 and (sizes.max() > fit) == skew and sizes.min() >= 0
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
     dy = rng.standard_normal((m, n)).astype(np.float32)
@@ -422,7 +430,7 @@ def test_many_groups_take_the_padded_path_where_they_fit(skew):
     args = [jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes)]
     step = functools.partial(vjp_step, functools.partial(jax_ep.grouped_matmul, impl="mosaic"))
     hlo = jax.jit(step).lower(*args, jnp.asarray(dy, jnp.bfloat16)).compile().as_text()
-    assert hlo.count("conditional(") >= 3, "expected a conditional for the forward, dx and dw"
+    assert hlo.count("conditional(") >= len(ops), f"expected a conditional for each of {ops}"
     y, dx, dw = (np.asarray(v, np.float32) for v in jax.jit(step)(*args, jnp.asarray(dy, jnp.bfloat16)))
     xb, wb, dyb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, w, dy))
     start = 0
