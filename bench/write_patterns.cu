@@ -160,6 +160,42 @@ __global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// A block per token: its threads hold the token's words (kWords each) and the block writes the token's rows one
+// after another, so the GPU writes about one row per block at a time; kPrefetch loads the block's next token
+// before storing this one.
+template <int kThreads, int kWords, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads) ScatterByBlock(const char* x, const int* dest, char* out) {
+  constexpr int kRowWords = ROW / 16;
+  static_assert(kThreads * kWords >= kRowWords, "a block holds a whole row");
+  uint4 now[kWords], next[kWords];
+  auto load = [&](int t, uint4 (&v)[kWords]) {
+    const uint4* s = reinterpret_cast<const uint4*>(x + static_cast<size_t>(t) * ROW);
+#pragma unroll
+    for (int m = 0; m < kWords; ++m) {
+      const int i = threadIdx.x + m * kThreads;
+      if (i < kRowWords && t < T) v[m] = s[i];
+    }
+  };
+  load(blockIdx.x, now);
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    if (kPrefetch) load(t + gridDim.x, next);
+    for (int k = 0; k < K; ++k) {
+      uint4* d = reinterpret_cast<uint4*>(out + static_cast<size_t>(dest[t * K + k]) * ROW);
+#pragma unroll
+      for (int m = 0; m < kWords; ++m) {
+        const int i = threadIdx.x + m * kThreads;
+        if (i < kRowWords) d[i] = now[m];
+      }
+    }
+    if (kPrefetch) {
+#pragma unroll
+      for (int m = 0; m < kWords; ++m) now[m] = next[m];
+    } else {
+      load(t + gridDim.x, now);
+    }
+  }
+}
+
 // Writes only, each warp (kPerBlock false) or each block (true) filling one contiguous part of the rows.
 template <bool kPerBlock>
 __global__ void __launch_bounds__(1024) FillParts(uint4* out, size_t n) {
@@ -288,6 +324,13 @@ int main() {
   tma("TMA scatter, 4 issuers, 3 stages, 1 piece", ScatterTma<4, 3>, 4, 3, 1);
   tma("TMA scatter, 8 issuers, 4 stages, 4 pieces", ScatterTma<8, 4>, 8, 4, 4);
   tma("TMA scatter, 32 issuers, 2 stages, 8 pieces", ScatterTma<32, 2>, 32, 2, 8);
+  timed("scatter, a block per token, 1024 threads", [&] { ScatterByBlock<1024, 1, false><<<132, 1024>>>(x, d_dest, out); });
+  timed("same, next token prefetched", [&] { ScatterByBlock<1024, 1, true><<<132, 1024>>>(x, d_dest, out); });
+  timed("same, prefetched, 264 blocks", [&] { ScatterByBlock<1024, 1, true><<<264, 1024>>>(x, d_dest, out); });
+  timed("same, 512 threads of 2 words, 264 blocks", [&] { ScatterByBlock<512, 2, true><<<264, 512>>>(x, d_dest, out); });
+  timed("same, 256 threads of 4 words, 528 blocks", [&] { ScatterByBlock<256, 4, true><<<528, 256>>>(x, d_dest, out); });
+  timed("scatter plain, 28 pieces (a step a warp)", [&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, 28); });
+  timed("scatter plain, 7 pieces", [&] { Scatter<0><<<132, 1024>>>(x, d_dest, out, 7); });
   {  // gathers that walk the tokens in chunks (x of a chunk stays in L2), each chunk's rows in layout order
     int* d_order;
     CK(cudaMalloc(&d_order, N * 4));
