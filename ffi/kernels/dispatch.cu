@@ -6,7 +6,6 @@
 
 #include "launch.h"
 #include "protocol.cuh"
-#include "routing.cuh"
 #include "rows.cuh"
 
 namespace jax_ep {
@@ -37,9 +36,8 @@ struct DispatchParams {
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
   DispatchRegion region;
-  Divisor send_pieces, recv_pieces, ranks, tokens, align, experts_per_rank;
+  Divisor send_pieces, recv_pieces, ranks, tokens, align;
   bool do_send, do_receive;
-  bool route_in_blocks;  // no routing kernel: every block routes the call's one chunk into shared memory
 };
 
 // Position of token t in this rank's send list to rank d, or -1.
@@ -275,25 +273,6 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   }
 }
 
-// Ints of shared memory the receivers' tables take, and the bytes of a routing in blocks after them: the scratch,
-// rank_seen [warps][R] and invalid_seen [warps] (int32), then expert_seen [warps][E] (uint16).
-JAX_EP_HOST_DEVICE inline int64_t TableInts(int64_t num_ranks, int64_t local_experts) {
-  return num_ranks * local_experts + 2 * local_experts;
-}
-JAX_EP_HOST_DEVICE inline int64_t RoutingInBlockBytes(const RoutingScratch& s, int64_t num_ranks, int64_t num_experts) {
-  return (s.ints + kWarps * num_ranks + kWarps) * 4 + kWarps * num_experts * 2;
-}
-
-// Every block routes the call (one chunk) into `memory` and gets the scratch there; block 0 writes slot_dest.
-__device__ const int32_t* RouteInBlock(const DispatchParams& p, int num_ranks, int32_t* memory) {
-  int32_t* rank_seen = memory + p.s.ints;
-  int32_t* invalid_seen = rank_seen + kWarps * num_ranks;
-  RoutingShared shared{reinterpret_cast<uint16_t*>(invalid_seen + kWarps), rank_seen, invalid_seen};
-  RouteChunk(p.topk_idx, p.num_tokens, static_cast<int>(p.topk), p.num_experts, num_ranks, p.experts_per_rank, p.s,
-             memory, blockIdx.x == 0 ? p.slot_dest : nullptr, 0, shared);
-  return memory;
-}
-
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
@@ -305,8 +284,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
-  const int32_t* scratch =
-      p.route_in_blocks ? RouteInBlock(p, R, table_memory + TableInts(R, p.local_experts)) : g.scratch;
+  const int32_t* scratch = g.scratch;
   int32_t* held = held_rows[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
@@ -437,7 +415,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.recv_counts = c.recv_counts;
   p.row_slot = c.row_slot;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
-  size_t shared = static_cast<size_t>(TableInts(R, p.local_experts)) * sizeof(int32_t);
+  const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
   if (shared > static_cast<size_t>(kTableSharedBytes)) {
     return Status::InvalidArgument("the receivers' row tables need " + std::to_string(shared) +
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
@@ -445,16 +423,8 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   int64_t send_items, recv_items;
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
-  // A whole dispatch of one routing chunk (small T) with one launch routes in every block: no routing kernel,
-  // and the scratch never goes through global memory.
-  const int64_t routing_bytes = RoutingInBlockBytes(p.s, R, c.num_experts);
-  p.route_in_blocks = phase == Phase::kWhole && g.nccl_ranks == 0 && p.s.chunks == 1 && p.s.warps == kWarps &&
-                      shared + routing_bytes <= static_cast<size_t>(kTableSharedBytes);
-  p.experts_per_rank = Divisor(p.local_experts);
-  if (p.route_in_blocks) {
-    shared += routing_bytes;
-  } else if (phase != Phase::kFinish &&
-             !(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
+  if (phase != Phase::kFinish &&
+      !(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
     return status;
   }
   const auto launch = [&](bool send, bool receive, int64_t items) {

@@ -7,10 +7,12 @@
 
 #include "launch.h"
 #include "protocol.cuh"
-#include "routing.cuh"
 
 namespace jax_ep {
 
+// A warp ranks at most 2 x 32 slots of a chunk: small chunks spread the kernel, which is latency-bound, over
+// many SMs (T=4096, K=8: 16 blocks).
+constexpr int kBatchesPerWarp = 2;
 constexpr int kRoutingSharedBytes = 96 * 1024;
 
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
@@ -31,6 +33,8 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 }
 
 namespace {
+
+__device__ inline unsigned LanesBelow(int lane) { return (1u << lane) - 1; }
 
 // Exclusive prefix, in place, of the `count` values at values[c * stride]; returns their total. Eight loads go
 // out at once (from L2: other blocks wrote them), since the last block's pass waits on memory, not arithmetic.
@@ -56,10 +60,146 @@ __global__ void __launch_bounds__(kThreads)
                   int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
                   int32_t* __restrict__ slot_dest, uint32_t* done) {
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
-  __shared__ int32_t rank_seen[kWarps * kMaxRanks];
+  __shared__ int32_t rank_seen[kWarps][kMaxRanks];
   __shared__ int32_t invalid_seen[kWarps];
-  RouteChunk(topk_idx, num_tokens, topk, num_experts, num_ranks, local_experts, s, scratch, slot_dest, blockIdx.x,
-             RoutingShared{expert_seen, rank_seen, invalid_seen});
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t chunk = blockIdx.x;
+  const int64_t t0 = chunk * s.tokens_per_chunk;
+  const int64_t t1 = std::min<int64_t>(num_tokens, t0 + s.tokens_per_chunk);
+  int32_t* slot_local = scratch + s.slot_local;
+  int32_t* token_local = scratch + s.token_local;
+  const int32_t seen_entries = warps * static_cast<int32_t>(num_experts);
+  for (int32_t i = threadIdx.x; i < seen_entries; i += blockDim.x) expert_seen[i] = 0;
+  for (int i = threadIdx.x; i < warps * kMaxRanks; i += blockDim.x) rank_seen[i / kMaxRanks][i % kMaxRanks] = 0;
+  __syncthreads();
+
+  // Slots: warp w ranks slots [w * per_warp, (w + 1) * per_warp) of the chunk, in order.
+  const int64_t first_slot = t0 * topk;
+  const int32_t chunk_slots = static_cast<int32_t>((t1 - t0) * topk);  // at most kThreads * kBatchesPerWarp
+  const int32_t per_warp = (chunk_slots + warps - 1) / warps;
+  int32_t expert_of[kBatchesPerWarp], rank_of[kBatchesPerWarp];
+#pragma unroll
+  for (int b = 0; b < kBatchesPerWarp; ++b) {  // every load in flight at once: the kernel is latency-bound
+    const int64_t in_warp = b * 32 + lane;
+    const int64_t slot = warp * per_warp + in_warp;
+    expert_of[b] = in_warp < per_warp && slot < chunk_slots ? __ldg(topk_idx + first_slot + slot) : -1;
+  }
+  int invalid = 0;
+#pragma unroll
+  for (int b = 0; b < kBatchesPerWarp; ++b) {
+    if (b * 32 >= per_warp) break;  // the warp's slots are done (small T)
+    const int64_t in_warp = b * 32 + lane;
+    const int64_t slot = warp * per_warp + in_warp;
+    const bool in = in_warp < per_warp && slot < chunk_slots;
+    const int32_t e = expert_of[b];
+    const bool valid = in && e >= 0 && e < num_experts;
+    invalid += in && !valid && e != -1;
+    const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+    const int before = __popc(same & LanesBelow(lane));
+    const int seen = valid ? expert_seen[warp * num_experts + e] : 0;
+    __syncwarp();
+    if (valid && before == 0) expert_seen[warp * num_experts + e] = static_cast<uint16_t>(seen + __popc(same));
+    __syncwarp();
+    expert_of[b] = valid ? e : -1;
+    rank_of[b] = seen + before;
+    if (in) slot_dest[first_slot + slot] = valid ? local_experts.Divide(e) : -1;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) invalid += __shfl_down_sync(0xffffffffu, invalid, offset);
+  if (lane == 0) invalid_seen[warp] = invalid;
+
+  // Tokens: warp w takes tokens [w * per_warp_tokens, ...) of the chunk, 32 at a time, in order.
+  const int32_t chunk_tokens = static_cast<int32_t>(t1 - t0);
+  const int32_t per_warp_tokens = (chunk_tokens + warps - 1) / warps;
+  for (int64_t b = 0; b * 32 < per_warp_tokens; ++b) {
+    const int64_t in_warp = b * 32 + lane;
+    const int64_t t = t0 + warp * per_warp_tokens + in_warp;
+    const bool in = in_warp < per_warp_tokens && t < t1;
+    uint64_t ranks = 0;
+    if (in && topk % 4 == 0 && topk <= 16) {  // 16-byte loads, all in flight at once (rows are 16-byte aligned)
+      const int4* row = reinterpret_cast<const int4*>(topk_idx + t * topk);
+      int4 ids[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (q < topk / 4) ids[q] = __ldg(row + q);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (q >= topk / 4) break;
+        for (const int32_t e : {ids[q].x, ids[q].y, ids[q].z, ids[q].w}) {
+          if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << local_experts.Divide(e);
+        }
+      }
+    } else {
+      for (int k = 0; in && k < topk; ++k) {
+        const int32_t e = topk_idx[t * topk + k];
+        if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << local_experts.Divide(e);
+      }
+    }
+    for (int d = 0; d < num_ranks; ++d) {
+      const bool sends = (ranks >> d) & 1;
+      const unsigned senders = __ballot_sync(0xffffffffu, sends);
+      const int seen = rank_seen[warp][d];
+      if (in) token_local[t * num_ranks + d] = sends ? seen + __popc(senders & LanesBelow(lane)) : -1;
+      __syncwarp();
+      if (lane == 0) rank_seen[warp][d] = seen + __popc(senders);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+
+  // Per expert and per rank: exclusive prefix over the warps, and the chunk's totals.
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t running = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int32_t count = expert_seen[w * num_experts + e];
+      expert_seen[w * num_experts + e] = static_cast<uint16_t>(running);
+      running += count;
+    }
+    if (s.chunks == 1) {  // no other chunk: the totals are final, the chunk's base is 0
+      scratch[s.expert_count + e] = running;
+      running = 0;
+    }
+    scratch[s.chunk_expert + chunk * num_experts + e] = running;
+  }
+  for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+    int32_t running = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int32_t count = rank_seen[w][d];
+      rank_seen[w][d] = running;
+      running += count;
+    }
+    if (s.chunks == 1) {
+      scratch[s.rank_count + d] = running;
+      running = 0;
+    }
+    scratch[s.chunk_rank + chunk * num_ranks + d] = running;
+  }
+  if (threadIdx.x == 0) {
+    int32_t total = 0;
+    for (int w = 0; w < warps; ++w) total += invalid_seen[w];
+    scratch[s.chunk_invalid + chunk] = total;
+    if (s.chunks == 1) scratch[s.num_invalid] = total;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < kBatchesPerWarp; ++b) {
+    if (b * 32 >= per_warp) break;
+    const int64_t in_warp = b * 32 + lane;
+    const int64_t slot = warp * per_warp + in_warp;
+    if (in_warp < per_warp && slot < chunk_slots) {
+      slot_local[first_slot + slot] = expert_of[b] < 0 ? -1 : expert_seen[warp * num_experts + expert_of[b]] + rank_of[b];
+    }
+  }
+  if (warp > 0) {
+    for (int64_t in_warp = lane; in_warp < per_warp_tokens; in_warp += 32) {
+      const int64_t t = t0 + warp * per_warp_tokens + in_warp;
+      if (t >= t1) break;
+      for (int d = 0; d < num_ranks; ++d) {
+        int32_t& pos = token_local[t * num_ranks + d];
+        if (pos >= 0) pos += rank_seen[warp][d];
+      }
+    }
+  }
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<false>(done)) return;
