@@ -12,8 +12,10 @@ and ``dw`` are what the custom VJP computes: from 256 groups up the forward and 
 where every group fits (``random`` and ``equal`` sizes here), else their kernel (``skewed``); ``dx`` then sets
 rows past ``sum(group_sizes)`` to 0 by a select, a pass XLA fuses into the consumer inside a model but not here.
 ``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
-forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``). The sampled
-check runs on the default path, on the kernels alone, and on the other forward kernel.
+forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``), ``dw_kernel``
+dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded
+after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
+sampled check runs on the default path, on the kernels alone, and on the other forward kernel.
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
@@ -30,6 +32,7 @@ import argparse
 import concurrent.futures
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -172,20 +175,28 @@ def gmm_fns(plan: gm.Plan):
     }
 
 
-def padded_fns(rows: int):
-    """The padded dense path alone (every group must fit), and its dw with the output asked in float32 and rounded
-    after the GEMM, as jax_ep did before, to see what that round trip costs."""
+def padded_fns(rows: int, suffix: str = ""):
+    """The padded dense path alone with ``rows`` rows a group (every group must fit), and its dw with the output
+    asked in float32 and rounded after the GEMM, as jax_ep did before, to see what that round trip costs."""
 
     def dw_f32(x, dy, s):
         xp, dyp = padded.pad(x, s, rows), padded.pad(dy, s, rows)
         return jnp.einsum("gck,gcn->gkn", xp, dyp, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    return {
+    fns = {
         "fwd_padded": jax.jit(lambda x, w, s: padded.fwd(x, w, s, rows)),
         "dx_padded": jax.jit(lambda dy, w, s: padded.dx(dy, w, s, rows)),
         "dw_padded": jax.jit(lambda x, dy, s: padded.dw(x, dy, s, rows)),
-        "dw_padded_f32": jax.jit(dw_f32),
     }
+    if not suffix:
+        fns["dw_padded_f32"] = jax.jit(dw_f32)
+    return {name + suffix: fn for name, fn in fns.items()}
+
+
+def rows_in_steps_of_16(m: int, g: int) -> int:
+    """The padded path's rows a group if they were rounded up to a multiple of 16 instead of 32."""
+    mean = m / g
+    return math.ceil((mean + padded.SPREAD * math.sqrt(mean)) / 16) * 16
 
 
 def ragged_fns():
@@ -258,6 +269,10 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     rows = padded.padded_rows(m, g)
     if rows is not None:
         fns.update(padded_fns(rows))
+        rows16 = rows_in_steps_of_16(m, g)
+        if rows16 != rows and all(group_sizes(kind, m, g).max() <= rows16 for kind in ("random", "equal")):
+            fns.update(padded_fns(rows16, "_step16"))
+            row["padded_rows_step16"] = rows16
     for kind in KINDS:
         s = jnp.asarray(group_sizes(kind, m, g))
         for op, fn in fns.items():
@@ -297,7 +312,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
 
 
 OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_padded", "dx", "dx_upstream", "dx_tiles", "dx_padded", "dw")
-OPS += ("dw_kernel", "dw_padded", "dw_padded_f32")
+OPS += ("dw_kernel", "dw_padded", "dw_padded_f32", "fwd_padded_step16", "dx_padded_step16", "dw_padded_step16")
 
 
 # The tile sweep.
@@ -312,7 +327,7 @@ SWEEP["dx"] = SWEEP["fwd"]
 ROWS_KERNELS = {"upstream": mk.upstream_ragged_dot, "tiles": mk.ragged_dot}
 
 
-def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
+def sweep(shapes, budget_s: float, iters: int, ops=("fwd", "dx", "dw")) -> list[dict]:
     deadline = time.perf_counter() + budget_s
     jobs = []  # (shape, op, variant, blocks, fn, args)
     data = {}
@@ -323,7 +338,7 @@ def sweep(shapes, budget_s: float, iters: int) -> list[dict]:
         dargs = dense_args(x, w, dy, g)
         for op, fn in dense_fns().items():
             jobs.append(((m, k, n, g), op, "einsum", None, fn, dargs[op]))
-        for op, configs in SWEEP.items():
+        for op, configs in ((op, c) for op, c in SWEEP.items() if op in ops):
             for cfg in configs:
                 blocks = mk.Blocks(*cfg)
                 if op == "dw":
@@ -404,6 +419,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budget-s", type=float, default=120.0)
+    parser.add_argument("--sweep-ops", default="fwd,dx,dw", help="the ops the sweep tiles, a comma list")
     parser.add_argument("--no-ragged-dot", action="store_true", help="skip jax.lax.ragged_dot (slow)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
@@ -414,7 +430,7 @@ def main() -> None:
     if not payload["hopper"]:
         raise SystemExit("needs a Hopper GPU")
     if args.sweep:
-        results = sweep(shapes, args.budget_s, args.iters)
+        results = sweep(shapes, args.budget_s, args.iters, tuple(args.sweep_ops.split(",")))
         payload["sweep"] = results
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
         print("\nbest tiles per shape, op and kernel (TFLOP/s; the einsum of the same op for reference):")
