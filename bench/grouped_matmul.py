@@ -245,7 +245,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     x, w, dy = inputs(m, k, n, g)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
     row = {"M": m, "K": k, "N": n, "G": g}
-    row["plan"] = {op: (b._asdict() if isinstance(b, tuple) else b) for op, b in plan._asdict().items()}
+    row["plan"] = {op: (b._asdict() if hasattr(b, "_asdict") else b) for op, b in plan._asdict().items()}
     row["errors"] = {}
     log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
     row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))

@@ -68,11 +68,13 @@ class Plan(NamedTuple):
 # Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
 # sweep strip); "dw": (rows of dw = K, columns of dw = N, row step, ...). Tried in order; the first that
 # divides the shape wins. On one H200 (bench/grouped_matmul.py --sweep, docs/performance.md) dw's first
-# entry was the fastest or within 2% of it at the three shapes of issue 13; the forward's first entry is
-# the only one measured (the upstream kernel).
+# entry was the fastest or within 2% of it at the three shapes of issue 13; the forward's and dx's first
+# entries were the fastest at 8192x4096x1024 with 64 groups (forward 335 against 229 TFLOP/s for 128/128/64 with
+# one column tile, dx 249 against 214; bench/results/grouped_matmul_sweep_fwd_dx_e608573_h200x1.json), the only
+# shape swept for them.
 _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
-    "fwd": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
-    "dx": (Blocks(128, 128, 64, 4, 1), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+    "fwd": (Blocks(64, 256, 64, 4, 4), Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
+    "dx": (Blocks(128, 128, 64, 6, 16), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
     "dw": (Blocks(128, 128, 64, 4, 4), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
 }
 
