@@ -86,13 +86,12 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 # (forward 180 against 228). No group count between 64 and 256 was measured.
 MANY_GROUPS = 256
 
-# Where every group fits (jax_ep._padded_gmm.padded_rows), the padded dense path replaces dw's kernel, and the
-# forward's and dx's when each group's weight has at least this many elements. On one H200 at f208684
-# (bench/results/grouped_matmul_f208684_h200x1.json, TFLOP/s with random sizes, padded against the kernel): dw
-# 516 against 534 at 32 groups (K=7168, N=2048), 199 against 142 at 256, 227 against 141 at 64 (K=4096, N=1024);
-# forward 481 against 469 and dx 470 against 370 at 32 groups, 353 against 249 and 350 against 224 at 256, but
-# 214 against 237 and 157 against 183 at 64 groups with the 4096x1024 weights.
-PADDED_MIN_WEIGHT = 1 << 23
+# Where every group fits (jax_ep._padded_gmm.padded_rows) the padded dense path replaces dw's kernel, and from
+# MANY_GROUPS up the forward's and dx's too. On one H200, TFLOP/s with random sizes, padded against the kernel in the
+# same run: at 32 groups of 7168x2048 weights (c332952, bench/results/grouped_matmul_c332952_h200x1.json) forward
+# 476 against 579, dx 463 against 462, dw 505 against 509; at 64 groups of 4096x1024 (same file) forward 203 against
+# 317, dx 175 against 199, dw 222 against 142; at 256 groups of 7168x2048 (f208684, grouped_matmul_f208684_h200x1.json,
+# the kernel with the tiles of then) forward 353 against 249, dx 350 against 224, dw 199 against 142.
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
@@ -121,7 +120,7 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     many = g >= MANY_GROUPS
     rows = "upstream" if not many and _mosaic.upstream_signature_ok() else "tiles"
     padded = _padded.padded_rows(m, g)
-    padded_ops = ("fwd", "dx", "dw") if k * n >= PADDED_MIN_WEIGHT else ("dw",)
+    padded_ops = ("fwd", "dx", "dw") if many else ("dw",)
     blocks = (_pick(op, k, n) for op in ("fwd", "dx", "dw"))
     plan = Plan(*blocks, rows=rows, padded=padded, padded_ops=padded_ops if padded is not None else ())
     return None if plan[:3] == (None, None, None) else plan
@@ -166,7 +165,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
     times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep._padded_gmm`), checked on the device,
     ``dw`` runs instead as one dense batched matmul over the groups padded to ``C`` rows, and so do the forward
-    pass and ``dx`` when ``K * N >= 2**23``. All accumulate in float32 and round once to the output dtype.
+    pass and ``dx`` when there are at least 256 groups. All accumulate in float32 and round once to the output
+    dtype.
     Inside the computation the choice between kernel and XLA is made per platform
     (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
     """
