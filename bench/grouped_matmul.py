@@ -456,7 +456,8 @@ def main() -> None:
             rd = tf.get(f"ragged_dot_{op}")
             rd_text = f"{rd:10.1f}" if rd else f"{r['ragged_dot'].get(op, '-'):>10}"
             if f"gmm_{op}_random" not in tf:
-                print(f"{name:24} {op:12} failed: {r['errors'].get(f'gmm_{op}_random', '')[:60]}")
+                error = r["errors"].get(f"gmm_{op}_random")
+                print(f"{name:24} {op:12} " + (f"failed: {error[:60]}" if error else "not run (groups do not fit)"))
                 continue
             keys = [f"gmm_{op}_{kind}" for kind in KINDS]
             cells = [f"{tf[key]:7.1f} ({ratio[key]:4.2f})" if key in tf else " " * 15 for key in keys]

@@ -26,6 +26,7 @@ CASES = {
     "all_empty": (96, 64, 64, [0, 0, 0], True),
     "many_small": (600, 128, 128, [3, 5, 0, 7, 1, 64, 128, 2, 9, 30, 0, 11] * 2 + [10], True),
     "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
+    "wide": (300, 128, 256, [5, 0, 130, 64, 1], True),  # N = 256: the forward's 64 x 256 tiles on CUDA
     # Groups of about M / G rows, all within the padded path's 352 rows, and one group of 400 that is not: on
     # CUDA dw takes the padded path for "even" and its kernel for "uneven"; the forward and dx run their kernels
     # (fewer than 256 groups). The padded functions are also tested alone below.
@@ -318,6 +319,7 @@ def test_plan_for_shapes_and_dtypes():
     swept = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)  # the shape the forward and dx tiles won at
     assert swept.fwd == Blocks(64, 256, 64, 4, 4) and swept.dx == Blocks(128, 128, 64, 6, 16)
     assert gm.plan_for((2048, 128), (8, 128, 192), bf16, bf16).fwd == Blocks(64, 64, 64, 4, 1)  # 192 columns
+    assert gm.plan_for((300, 128), (5, 128, 256), bf16, bf16).fwd == Blocks(64, 256, 64, 4, 4)  # CASES["wide"]
     assert gm.plan_for((64, 128), (2, 128, 128), jnp.float32, jnp.float32) is None
     assert gm.plan_for((64, 128), (2, 128, 128), bf16, jnp.float16) is None
     assert gm.plan_for((64, 100), (2, 100, 128), bf16, bf16) is None  # K not a multiple of 64
