@@ -166,8 +166,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep._padded_gmm`), checked on the device,
     ``dw`` runs instead as one dense batched matmul over the groups padded to ``C`` rows, and so do the forward
     pass and ``dx`` when there are at least 256 groups. All accumulate in float32 and round once to the output
-    dtype.
-    Inside the computation the choice between kernel and XLA is made per platform
+    dtype. Inside the computation the choice between kernel and XLA is made per platform
     (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
     """
     check_choice("impl", impl, IMPLS)
