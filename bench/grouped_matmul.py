@@ -8,8 +8,8 @@ Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16
 (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
-and ``dw`` are what the custom VJP computes: from 256 groups up the forward and dx take the padded dense path
-where every group fits (``random`` and ``equal`` sizes here), else their kernel (``skewed``); ``dx`` then sets
+and ``dw`` are what the custom VJP computes: dw takes the padded dense path where every group fits (``random``
+and ``equal`` sizes here), and from 256 groups up the forward and dx too, else their kernels (``skewed``); ``dx`` sets
 rows past ``sum(group_sizes)`` to 0 by a select, a pass XLA fuses into the consumer inside a model but not here.
 ``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
 forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``), ``dw_kernel``
