@@ -30,6 +30,19 @@ __device__ __forceinline__ void StoreStep(uint4* d, int base, int n, int lane, c
   }
 }
 
+// The K layout rows of token t.
+__device__ __forceinline__ void TokenRows(const int* dest, int t, int (&rows)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
+}
+// Piece `piece` (of piece_bytes) of row `row` in an array of ROW-byte rows, as 16-byte words.
+__device__ __forceinline__ const uint4* PieceOf(const char* rows, int row, int piece, int piece_bytes) {
+  return reinterpret_cast<const uint4*>(rows + static_cast<size_t>(row) * ROW + piece * piece_bytes);
+}
+__device__ __forceinline__ uint4* PieceOf(char* rows, int row, int piece, int piece_bytes) {
+  return reinterpret_cast<uint4*>(rows + static_cast<size_t>(row) * ROW + piece * piece_bytes);
+}
+
 template <int kMode>  // 0 plain stores, 1 __stcs stores, 2 row by row (reload from L1/L2)
 __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, char* out, int pieces) {
   const int lane = threadIdx.x % 32;
@@ -38,14 +51,13 @@ __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, 
   for (int item = first; item < T * pieces; item += warps) {
     const int t = item / pieces, piece = item % pieces;
     int rows[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
-    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
+    TokenRows(dest, t, rows);
+    const uint4* s = PieceOf(x, t, piece, piece_bytes);
     const int n = piece_bytes / 16;
     uint4 part[PER];
     if constexpr (kMode == 2) {
       for (int k = 0; k < K; ++k) {
-        uint4* d = reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes);
+        uint4* d = PieceOf(out, rows[k], piece, piece_bytes);
         for (int base = 0; base < n; base += 32 * PER) {
           LoadStep(s, base, n, lane, part);
           StoreStep<false>(d, base, n, lane, part);
@@ -55,8 +67,7 @@ __global__ void __launch_bounds__(1024) Scatter(const char* x, const int* dest, 
       for (int base = 0; base < n; base += 32 * PER) {
         LoadStep(s, base, n, lane, part);
         for (int k = 0; k < K; ++k) {
-          StoreStep<kMode == 1>(reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes), base, n,
-                                lane, part);
+          StoreStep<kMode == 1>(PieceOf(out, rows[k], piece, piece_bytes), base, n, lane, part);
         }
       }
     }
@@ -73,8 +84,8 @@ __global__ void __launch_bounds__(1024) Gather(const char* x, const int* token_o
   for (int item = first; item < N * pieces; item += warps) {
     const int r = order == nullptr ? item / pieces : order[item / pieces], piece = item % pieces;
     const int t = token_of_row[r];
-    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
-    uint4* d = reinterpret_cast<uint4*>(out + (size_t)r * ROW + piece * piece_bytes);
+    const uint4* s = PieceOf(x, t, piece, piece_bytes);
+    uint4* d = PieceOf(out, r, piece, piece_bytes);
     const int n = piece_bytes / 16;
     uint4 part[PER];
     for (int base = 0; base < n; base += 32 * PER) {
@@ -93,16 +104,14 @@ __global__ void __launch_bounds__(1024) ScatterPipelined(const char* x, const in
   for (int item = first; item < T * pieces; item += warps) {
     const int t = item / pieces, piece = item % pieces;
     int rows[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) rows[k] = dest[t * K + k];
-    const uint4* s = reinterpret_cast<const uint4*>(x + (size_t)t * ROW + piece * piece_bytes);
+    TokenRows(dest, t, rows);
+    const uint4* s = PieceOf(x, t, piece, piece_bytes);
     uint4 now[kPer], next[kPer];
     LoadStep(s, 0, n, lane, now);
     for (int base = 0; base < n; base += step) {
       LoadStep(s, base + step, n, lane, next);
       for (int k = 0; k < K; ++k) {
-        StoreStep<false>(reinterpret_cast<uint4*>(out + (size_t)rows[k] * ROW + piece * piece_bytes), base, n, lane,
-                         now);
+        StoreStep<false>(PieceOf(out, rows[k], piece, piece_bytes), base, n, lane, now);
       }
 #pragma unroll
       for (int m = 0; m < kPer; ++m) now[m] = next[m];
@@ -136,7 +145,7 @@ __global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const
     const int s = j % kStages;
     const uint32_t bar = SharedAddress(&landed[warp][s]);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(piece_bytes) : "memory");
-    const char* src = x + static_cast<size_t>(item / pieces) * ROW + (item % pieces) * piece_bytes;
+    const uint4* src = PieceOf(x, item / pieces, item % pieces, piece_bytes);
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(SharedAddress(buffers + s * piece_bytes)), "l"(src), "r"(piece_bytes), "r"(bar) : "memory");
   };
@@ -149,7 +158,7 @@ __global__ void __launch_bounds__(kIssuers * 32) ScatterTma(const char* x, const
         " @!done bra WAIT_%=;\n}" ::"r"(bar), "r"(parity) : "memory");
     const uint32_t from = SharedAddress(buffers + s * piece_bytes);
     for (int k = 0; k < K; ++k) {
-      char* to = out + static_cast<size_t>(dest[t * K + k]) * ROW + piece * piece_bytes;
+      uint4* to = PieceOf(out, dest[t * K + k], piece, piece_bytes);
       asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to), "r"(from), "r"(piece_bytes)
                    : "memory");
     }
@@ -169,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) ScatterByBlock(const char* x, const 
   static_assert(kThreads * kWords >= kRowWords, "a block holds a whole row");
   uint4 now[kWords], next[kWords];
   auto load = [&](int t, uint4 (&v)[kWords]) {
-    const uint4* s = reinterpret_cast<const uint4*>(x + static_cast<size_t>(t) * ROW);
+    const uint4* s = PieceOf(x, t, 0, 0);
 #pragma unroll
     for (int m = 0; m < kWords; ++m) {
       const int i = threadIdx.x + m * kThreads;
@@ -180,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) ScatterByBlock(const char* x, const 
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     if (kPrefetch) load(t + gridDim.x, next);
     for (int k = 0; k < K; ++k) {
-      uint4* d = reinterpret_cast<uint4*>(out + static_cast<size_t>(dest[t * K + k]) * ROW);
+      uint4* d = PieceOf(out, dest[t * K + k], 0, 0);
 #pragma unroll
       for (int m = 0; m < kWords; ++m) {
         const int i = threadIdx.x + m * kThreads;
