@@ -32,7 +32,6 @@ import argparse
 import concurrent.futures
 import inspect
 import json
-import math
 import os
 import sys
 import time
@@ -193,12 +192,6 @@ def padded_fns(rows: int, suffix: str = ""):
     return {name + suffix: fn for name, fn in fns.items()}
 
 
-def rows_in_steps_of_16(m: int, g: int) -> int:
-    """The padded path's rows a group if they were rounded up to a multiple of 16 instead of 32."""
-    mean = m / g
-    return math.ceil((mean + padded.SPREAD * math.sqrt(mean)) / 16) * 16
-
-
 def ragged_fns():
     def dx(x, w, s, dy):
         return jax.vjp(lambda a: jax.lax.ragged_dot(a, w, s), x)[1](dy)[0]
@@ -269,7 +262,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     rows = padded.padded_rows(m, g)
     if rows is not None:
         fns.update(padded_fns(rows))
-        rows16 = rows_in_steps_of_16(m, g)
+        rows16 = padded.padded_rows(m, g, step=16)  # never more than rows, so never None here
         if rows16 != rows and all(group_sizes(kind, m, g).max() <= rows16 for kind in ("random", "equal")):
             fns.update(padded_fns(rows16, "_step16"))
             row["padded_rows_step16"] = rows16

@@ -22,12 +22,13 @@ ROW_STEP = 32  # C is a multiple of this
 MOST_FLOPS = 1.5  # C / (M / G) at most
 
 
-def padded_rows(m: int, g: int) -> int | None:
-    """Rows per group ``C`` for ``m`` rows in ``g`` groups, or None when padding would cost too many flops."""
+def padded_rows(m: int, g: int, step: int = ROW_STEP) -> int | None:
+    """Rows per group ``C`` (a multiple of ``step``) for ``m`` rows in ``g`` groups, or None when padding would cost
+    too many flops."""
     if m < 1 or g < 1:
         return None
     mean = m / g
-    rows = math.ceil((mean + SPREAD * math.sqrt(mean)) / ROW_STEP) * ROW_STEP
+    rows = math.ceil((mean + SPREAD * math.sqrt(mean)) / step) * step
     return rows if rows <= MOST_FLOPS * mean else None
 
 
