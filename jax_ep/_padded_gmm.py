@@ -15,6 +15,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from . import _row_copies
 
 # C covers a group of M / G rows plus this many standard deviations of a binomial count (uniform routing).
 SPREAD = 4.5
@@ -44,9 +47,18 @@ def _starts(group_sizes: jax.Array) -> jax.Array:
 def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group.
 
-    Zeros come from a select, so NaN or Inf in rows outside a group (another group's, or past
-    ``sum(group_sizes)``) never enter it.
+    No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
+    does. On CUDA a Pallas Triton kernel (:mod:`jax_ep._row_copies`), elsewhere XLA's gather and a select.
     """
+    return lax.platform_dependent(
+        a,
+        group_sizes,
+        cuda=lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
+        default=lambda a, s: _xla_pad(a, s, rows),
+    )
+
+
+def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     c = jnp.arange(rows, dtype=jnp.int32)[None, :]
     src = jnp.clip(_starts(group_sizes)[:, None] + c, 0, a.shape[0] - 1)
     gathered = jnp.take(a, src.reshape(-1), axis=0).reshape(group_sizes.shape[0], rows, a.shape[1])
@@ -55,6 +67,15 @@ def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 
 def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
+    return lax.platform_dependent(
+        p,
+        group_sizes,
+        cuda=lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
+        default=lambda p, s: _xla_unpad(p, s, m),
+    )
+
+
+def _xla_unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     g, rows, d = p.shape
     r = jnp.arange(m, dtype=jnp.int32)
     ends = jnp.cumsum(group_sizes)

@@ -1,0 +1,109 @@
+"""Row copies of the padded grouped matmul as Pallas Triton kernels (CUDA): ragged rows to padded groups and back,
+and zeroing the rows past the groups in place.
+
+XLA's gather moves one element per thread, about 0.4 TB/s on one H200 for the padded path's row gathers
+(docs/performance.md); these kernels move blocks of rows with wide, masked loads and stores. Each takes
+``starts`` and ``sizes`` (int32 ``[G]``) of groups laid end to end, and reads no row outside a group, so whatever
+the other rows hold (NaN included) never reaches the result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+BLOCK_ROWS = 16
+BLOCK_COLS = 512  # 1 KiB of bfloat16 a row: 16-byte loads and stores for every thread of 4 warps
+_PARAMS = plt.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _cols(d: int) -> int:
+    return min(BLOCK_COLS, pl.next_power_of_2(d))
+
+
+def _out(shape: tuple[int, ...], like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel's output type: ``like``'s dtype, varying over the mesh axes ``like`` varies over inside
+    ``jax.shard_map`` (which a Pallas call must be told)."""
+    aval = jax.typeof(like)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, like.dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(shape, like.dtype, vma=getattr(aval, "vma", frozenset()))
+
+
+def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
+    """``[M, D]`` to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[starts[g] + c]`` for ``c < sizes[g]``, else 0."""
+    m, d = a.shape
+    g = sizes.shape[0]
+    bc, bd = BLOCK_ROWS, _cols(d)
+
+    def kernel(starts_ref, sizes_ref, a_ref, o_ref):
+        group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
+        col = db * bd + jnp.arange(bd, dtype=jnp.int32)
+        in_cols = (col < d)[None, :]
+        size = sizes_ref[group]
+        src = a_ref.at[pl.ds(starts_ref[group] + cb * bc, bc), pl.ds(db * bd, bd)]
+        values = plt.load(src, mask=(c < size)[:, None] & in_cols, other=0)
+        plt.store(o_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], values, mask=(c < rows)[:, None] & in_cols)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=_out((g, rows, d), a),
+        grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
+        compiler_params=_PARAMS,
+        name="jax_ep_pad_rows",
+    )(starts, sizes, a)
+
+
+def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Array:
+    """``[G, C, D]`` back to ``[m, D]``: row ``starts[g] + c`` is ``p[g, c]`` for ``c < sizes[g]``; the rows past
+    the last group are 0."""
+    g, rows, d = p.shape
+    bc, bd = BLOCK_ROWS, _cols(d)
+
+    def kernel(starts_ref, sizes_ref, p_ref, o_ref):
+        group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
+        col = db * bd + jnp.arange(bd, dtype=jnp.int32)
+        mask = (c < jnp.minimum(sizes_ref[group], rows))[:, None] & (col < d)[None, :]
+        values = plt.load(p_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], mask=mask, other=0)
+        plt.store(o_ref.at[pl.ds(starts_ref[group] + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=_out((m, d), p),
+        grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
+        compiler_params=_PARAMS,
+        name="jax_ep_unpad_rows",
+    )(starts, sizes, p)
+    return zero_rows_from(out, jnp.sum(sizes))
+
+
+def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
+    """``a`` with rows ``first`` and after set to 0, in place: the other rows are neither read nor written."""
+    m, d = a.shape
+    br, bd = BLOCK_ROWS, _cols(d)
+
+    def kernel(first_ref, a_ref, o_ref):
+        del a_ref  # aliased to o_ref
+        rb, db = pl.program_id(0), pl.program_id(1)
+        r = rb * br + jnp.arange(br, dtype=jnp.int32)
+        col = db * bd + jnp.arange(bd, dtype=jnp.int32)
+        first_row = first_ref[0]
+
+        @pl.when((rb + 1) * br > first_row)
+        def _():
+            mask = ((r >= first_row) & (r < m))[:, None] & (col < d)[None, :]
+            plt.store(o_ref.at[pl.ds(rb * br, br), pl.ds(db * bd, bd)], jnp.zeros((br, bd), a.dtype), mask=mask)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=_out(a.shape, a),
+        grid=(pl.cdiv(m, br), pl.cdiv(d, bd)),
+        input_output_aliases={1: 0},
+        compiler_params=_PARAMS,
+        name="jax_ep_zero_rows_from",
+    )(jnp.reshape(first, (1,)).astype(jnp.int32), a)

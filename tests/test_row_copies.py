@@ -1,0 +1,65 @@
+"""The padded grouped matmul's row-copy kernels (jax_ep._row_copies) against its XLA row copies.
+
+On CPU the Pallas kernels run in interpret mode, on arrays with spare rows at the end (the interpreter clamps a
+block that runs past the array, where Triton masks it); on a CUDA GPU they run compiled, on every edge: the last
+group's blocks running past the array, empty groups, NaN in every row outside the groups.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gpu import gpu_devices
+from jax.experimental import pallas as pl
+
+from jax_ep import _padded_gmm as padded
+from jax_ep import _row_copies as rc
+
+ON_CUDA = bool(gpu_devices())
+# (rows a group, columns, group sizes, rows past the groups)
+CASES = {
+    "ragged": (48, 700, [40, 0, 48, 17, 30], 21),
+    "to_the_end": (40, 192, [3, 40, 33], 0),  # the last group's last block runs past the array
+    "empty": (16, 64, [0, 0], 5),
+    "one_row": (8, 1024, [1], 0),
+}
+
+
+def make(case: str, dtype, spare: int):
+    rows, d, sizes, tail = CASES[case]
+    sizes = np.asarray(sizes, np.int32)
+    m = int(sizes.sum()) + tail
+    a = np.random.default_rng(0).standard_normal((m + spare, d)).astype(np.float32)
+    a[sizes.sum() :] = np.nan  # past the groups: must never reach a result
+    starts = np.cumsum(sizes) - sizes
+    return jnp.asarray(a, dtype), jnp.asarray(starts), jnp.asarray(sizes), rows, m + spare
+
+
+def check_kernels(case: str, dtype, spare: int):
+    a, starts, sizes, rows, m = make(case, dtype, spare)
+    total = int(sizes.sum())
+    p = rc.pad(a, starts, sizes, rows)
+    np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(padded._xla_pad(a, sizes, rows), np.float32))
+    u = rc.unpad(p, starts, sizes, m)
+    want = np.asarray(a, np.float32).copy()
+    want[total:] = 0
+    np.testing.assert_array_equal(np.asarray(u, np.float32), want)
+    for first in sorted({0, total // 2, total, m}):
+        z = np.asarray(jax.jit(rc.zero_rows_from)(a, jnp.int32(first)), np.float32)
+        assert np.all(z[first:] == 0)
+        np.testing.assert_array_equal(z[:first], np.asarray(a, np.float32)[:first])  # untouched, NaN included
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_row_copies_interpreted(monkeypatch, case):
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, interpret=True))
+    check_kernels(case, jnp.float32, spare=64)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_row_copies_on_gpu(case, dtype):
+    check_kernels(case, dtype, spare=0)
