@@ -2,7 +2,7 @@
 # On a machine with one Hopper GPU: the grouped matmul's GPU tests and benchmark (and, with SWEEP=1, the tile sweep),
 # then the MoE layer profile; results under $OUT, a short table last. One device call: each step has a time limit,
 # and without the sweep they add up to 560 s (at 71d5c64 the benchmark took 130 s and the profile 45 s).
-#   JAX_EP_COMMIT=<sha> [SWEEP=1] bash bench/device_run_grouped_matmul.sh
+#   JAX_EP_COMMIT=<sha> [SWEEP=1] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
 # run from the source tree (they need no extension). If the build fails the profile runs with backend "xla" and
 # says so in its JSON. Files in $OUT: grouped_matmul_tests.json, grouped_matmul_sweep.json, grouped_matmul.json,
@@ -28,9 +28,10 @@ step() {  # NAME SECONDS COMMAND...
   echo "[${SECONDS} s] $name: exit $rc"
 }
 export PYTHONPATH=$repo
-step grouped_matmul_tests 200 env JAX_EP_COMMAND="python bench/gpu_tests.py OUT/grouped_matmul_tests.json \
-tests/test_grouped_matmul.py" python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" \
-  "$repo/tests/test_grouped_matmul.py"
+step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python bench/gpu_tests.py \
+OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_row_copies.py${TESTS_K:+ -k '$TESTS_K'}" \
+  python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" "$repo/tests/test_grouped_matmul.py" \
+  "$repo/tests/test_row_copies.py" ${TESTS_K:+-k "$TESTS_K"}
 if [ "${SWEEP:-0}" = 1 ]; then
   step grouped_matmul_sweep 120 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul_sweep.json \
 --sweep --budget-s 80 --iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul_sweep.json" \

@@ -10,7 +10,7 @@ The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (sam
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
 and ``dw`` are what the custom VJP computes: dw takes the padded dense path where every group fits (``random``
 and ``equal`` sizes here), and from 256 groups up the forward and dx too, else their kernels (``skewed``); ``dx`` sets
-rows past ``sum(group_sizes)`` to 0 by a select, a pass XLA fuses into the consumer inside a model but not here.
+rows past ``sum(group_sizes)`` to 0 (in place after its kernel; the padded path's row copy writes them).
 ``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
 forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``), ``dw_kernel``
 dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _padded_gmm as _padded
-from . import _row_copies
 from ._validate import check_array, check_choice
+from ._vma import vary_like, varying_axes
 
 try:
     from . import _mosaic_gmm as _mosaic
@@ -223,13 +223,6 @@ def _xla_dw(x, dy, group_sizes):
     return lax.ragged_dot_general(x, dy, group_sizes, dims)
 
 
-def _varying_axes(value) -> frozenset:
-    """The mesh axes ``value`` varies over inside ``jax.shard_map`` (empty outside)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
-
-
 def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows: int | None = None):
     """One op: on CUDA its kernel, or ``padded(*args, rows)`` when every group has at most ``rows`` rows;
     elsewhere (or without tiles) ``xla``. ``args[2]`` is ``group_sizes``."""
@@ -239,9 +232,7 @@ def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows:
     def varying(fn):
         def run(*args):
             # A Pallas call's output is not marked varying over shard_map's axes; XLA's op's is.
-            out = fn(*args)
-            missing = frozenset().union(*map(_varying_axes, args)) - _varying_axes(out)
-            return lax.pcast(out, tuple(sorted(missing, key=str)), to="varying") if missing else out
+            return vary_like(fn(*args), *args)
 
         return run
 
@@ -271,7 +262,7 @@ def _dx(dy, w, group_sizes, plan: Plan):
     # zeroes them (a select over all of dx was a pass over it, 14% of dx at 64 groups on one H200), the padded
     # path's unpad writes zeros there, and XLA's branch selects.
     def mosaic(a, b, c):
-        return _row_copies.zero_rows_from(_rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True), jnp.sum(c))
+        return _padded.zero_rows_from(_rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True), jnp.sum(c))
 
     def xla(a, b, c):
         return jnp.where(_rows_below(a.shape[0], c), _xla_dx(a, b, c), 0)
@@ -318,7 +309,7 @@ def _custom_fwd(x, w, group_sizes, plan):
 def _summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
     """The cotangent summed over the mesh axes it varies over and its primal does not (inside shard_map, ``w``
     replicated over a data axis gets the sum of every data shard's ``dw``), so it has its primal's type."""
-    extra = _varying_axes(cotangent) - _varying_axes(primal)
+    extra = varying_axes(cotangent) - varying_axes(primal)
     return lax.psum(cotangent, tuple(sorted(extra, key=str))) if extra else cotangent
 
 

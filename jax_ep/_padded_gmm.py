@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _row_copies
+try:
+    from . import _row_copies
+except ImportError:  # a jax without Pallas Triton (deprecated in jax 0.11): XLA's row copies everywhere
+    _row_copies = None
 
 # C covers a group of M / G rows plus this many standard deviations of a binomial count (uniform routing).
 SPREAD = 4.5
@@ -50,6 +53,8 @@ def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
     does. On CUDA a Pallas Triton kernel (:mod:`jax_ep._row_copies`), elsewhere XLA's gather and a select.
     """
+    if _row_copies is None:
+        return _xla_pad(a, group_sizes, rows)
     return lax.platform_dependent(
         a,
         group_sizes,
@@ -67,6 +72,8 @@ def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 
 def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
+    if _row_copies is None:
+        return _xla_unpad(p, group_sizes, m)
     return lax.platform_dependent(
         p,
         group_sizes,
@@ -91,6 +98,18 @@ def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     # asking for float32 and rounding after it would write and read the output twice more (15 GB for dw at 256
     # groups of the MoE layer's shape).
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.result_type(a, b))
+
+
+def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
+    """``a`` with rows ``first`` and after set to 0: on CUDA in place, touching no other row
+    (:mod:`jax_ep._row_copies`), elsewhere by a select."""
+
+    def select(a, first):
+        return jnp.where((jnp.arange(a.shape[0], dtype=jnp.int32) < first)[:, None], a, 0)
+
+    if _row_copies is None:
+        return select(a, first)
+    return lax.platform_dependent(a, first, cuda=_row_copies.zero_rows_from, default=select)
 
 
 def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ._vma import vary_like
+
 BLOCK_ROWS = 16
 BLOCK_COLS = 512  # 1 KiB of bfloat16 a row: 16-byte loads and stores for every thread of 4 warps
 _PARAMS = plt.CompilerParams(num_warps=4, num_stages=1)
@@ -23,14 +25,15 @@ def _cols(d: int) -> int:
     return min(BLOCK_COLS, pl.next_power_of_2(d))
 
 
-def _out(shape: tuple[int, ...], like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel's output type: ``like``'s dtype, varying over the mesh axes ``like`` varies over inside
-    ``jax.shard_map`` (which a Pallas call must be told)."""
-    aval = jax.typeof(like)
+def _out(shape: tuple[int, ...], *args: jax.Array) -> tuple[jax.ShapeDtypeStruct, list[jax.Array]]:
+    """A kernel's output type (``args[-1]``'s dtype) and its arguments, all varying over every mesh axis one of
+    them varies over inside ``jax.shard_map`` (a Pallas call's output type must say so)."""
+    args = [vary_like(a, *args) for a in args]
+    aval = jax.typeof(args[-1])
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
-        return jax.ShapeDtypeStruct(shape, like.dtype, manual_axis_type=manual)
-    return jax.ShapeDtypeStruct(shape, like.dtype, vma=getattr(aval, "vma", frozenset()))
+        return jax.ShapeDtypeStruct(shape, aval.dtype, manual_axis_type=manual), args
+    return jax.ShapeDtypeStruct(shape, aval.dtype, vma=getattr(aval, "vma", frozenset())), args
 
 
 def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
@@ -49,13 +52,14 @@ def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Arr
         values = plt.load(src, mask=(c < size)[:, None] & in_cols, other=0)
         plt.store(o_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], values, mask=(c < rows)[:, None] & in_cols)
 
+    out, args = _out((g, rows, d), starts, sizes, a)
     return pl.pallas_call(
         kernel,
-        out_shape=_out((g, rows, d), a),
+        out_shape=out,
         grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
         compiler_params=_PARAMS,
         name="jax_ep_pad_rows",
-    )(starts, sizes, a)
+    )(*args)
 
 
 def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Array:
@@ -72,13 +76,14 @@ def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Arra
         values = plt.load(p_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], mask=mask, other=0)
         plt.store(o_ref.at[pl.ds(starts_ref[group] + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
 
+    out, args = _out((m, d), starts, sizes, p)
     out = pl.pallas_call(
         kernel,
-        out_shape=_out((m, d), p),
+        out_shape=out,
         grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
         compiler_params=_PARAMS,
         name="jax_ep_unpad_rows",
-    )(starts, sizes, p)
+    )(*args)
     return zero_rows_from(out, jnp.sum(sizes))
 
 
@@ -99,11 +104,12 @@ def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
             mask = ((r >= first_row) & (r < m))[:, None] & (col < d)[None, :]
             plt.store(o_ref.at[pl.ds(rb * br, br), pl.ds(db * bd, bd)], jnp.zeros((br, bd), a.dtype), mask=mask)
 
+    out, args = _out(a.shape, jnp.reshape(first, (1,)).astype(jnp.int32), a)
     return pl.pallas_call(
         kernel,
-        out_shape=_out(a.shape, a),
+        out_shape=out,
         grid=(pl.cdiv(m, br), pl.cdiv(d, bd)),
         input_output_aliases={1: 0},
         compiler_params=_PARAMS,
         name="jax_ep_zero_rows_from",
-    )(jnp.reshape(first, (1,)).astype(jnp.int32), a)
+    )(*args)

@@ -15,7 +15,6 @@ import pytest
 import jax_ep
 from jax_ep import _grouped_matmul as gm
 from jax_ep import _padded_gmm as padded
-from jax_ep import _row_copies as rc
 from jax_ep._mosaic_gmm import Blocks, num_row_tiles, tile_table
 from jax_ep._padded_gmm import padded_rows
 
@@ -211,6 +210,7 @@ def fake_kernels(monkeypatch, seen):
     monkeypatch.setattr(mosaic, "upstream_ragged_dot", ragged)
     monkeypatch.setattr(mosaic, "transposed_ragged_dot", transposed)
     monkeypatch.setattr(gm.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    rc = padded._row_copies
     monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows))
     monkeypatch.setattr(rc, "unpad", lambda p, starts, sizes, m: padded._xla_unpad(p, sizes, m))
     monkeypatch.setattr(rc, "zero_rows_from", lambda a, first: jnp.where(jnp.arange(a.shape[0])[:, None] < first, a, 0))
