@@ -8,14 +8,15 @@ Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16
 (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
-and ``dw`` are what the custom VJP computes: dw takes the padded dense path where every group fits (``random``
-and ``equal`` sizes here), and from 256 groups up the forward and dx too, else their kernels (``skewed``); ``dx`` sets
+and ``dw`` are what the custom VJP computes: dx and dw take the padded dense path where every group fits (``random``
+and ``equal`` sizes here), and from 256 groups up the forward too, else their kernels (``skewed``); ``dx`` sets
 rows past ``sum(group_sizes)`` to 0 (in place after its kernel; the padded path's row copy writes them).
 ``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
-forward kernels alone (below 256 groups ``fwd``/``dx`` are the same program as ``*_upstream``), ``dw_kernel``
+forward kernels alone (below 256 groups ``fwd`` is the same program as ``fwd_upstream``), ``dw_kernel``
 dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded
 after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
-sampled check runs on the default path, on the kernels alone, and on the other forward kernel.
+sampled check runs on the default path, on the kernels alone, and on the other forward kernel. Where the padded
+path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep._row_copies`` against XLA's gathers).
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
@@ -159,7 +160,7 @@ def dense_args(x, w, dy, g):
 
 def gmm_fns(plan: gm.Plan):
     """The custom VJP's three ops with ``plan`` (what users get), and the forward and dx with each of the two
-    kernels alone (``*_upstream``, ``*_tiles``; below 256 groups ``fwd``/``dx`` are ``*_upstream``)."""
+    kernels alone (``*_upstream``, ``*_tiles``; below 256 groups ``fwd`` is ``fwd_upstream``)."""
     upstream = plan._replace(rows="upstream", padded=None)
     tiles = plan._replace(rows="tiles", padded=None)
     return {
@@ -190,6 +191,23 @@ def padded_fns(rows: int, suffix: str = ""):
     if not suffix:
         fns["dw_padded_f32"] = jax.jit(dw_f32)
     return {name + suffix: fn for name, fn in fns.items()}
+
+
+def time_row_copies(x, s, rows: int, iters: int) -> dict:
+    """ms of the padded path's row copies of ``x`` (to ``[G, rows, K]`` and back), the kernels of
+    ``jax_ep._row_copies`` against XLA's gathers, and whether both give the same bits."""
+    p = padded.pad(x, s, rows)
+    fns = {
+        "pad": (jax.jit(lambda x, s: padded.pad(x, s, rows)), (x, s)),
+        "pad_xla": (jax.jit(lambda x, s: padded._xla_pad(x, s, rows)), (x, s)),
+        "unpad": (jax.jit(lambda p, s: padded.unpad(p, s, x.shape[0])), (p, s)),
+        "unpad_xla": (jax.jit(lambda p, s: padded._xla_unpad(p, s, x.shape[0])), (p, s)),
+    }
+    out = {name: time_call(fn, args, iters) * 1e3 for name, (fn, args) in fns.items()}
+    for name in ("pad", "unpad"):
+        fn, args = fns[name]
+        out[f"{name}_same_as_xla"] = bool(jnp.array_equal(fn(*args), fns[f"{name}_xla"][0](*args)))
+    return out
 
 
 def ragged_fns():
@@ -261,6 +279,8 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     fns = gmm_fns(plan)
     rows = padded.padded_rows(m, g)
     if rows is not None:
+        row["row_copies_ms"] = time_row_copies(x, jnp.asarray(group_sizes("random", m, g)), rows, iters)
+        log(f"  row copies {row['row_copies_ms']}")
         fns.update(padded_fns(rows))
         rows16 = padded.padded_rows(m, g, step=16)  # never more than rows, so never None here
         if rows16 != rows and all(group_sizes(kind, m, g).max() <= rows16 for kind in ("random", "equal")):

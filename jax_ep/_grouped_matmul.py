@@ -87,12 +87,13 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 # (forward 180 against 228). No group count between 64 and 256 was measured.
 MANY_GROUPS = 256
 
-# Where every group fits (jax_ep._padded_gmm.padded_rows) the padded dense path replaces dw's kernel, and from
-# MANY_GROUPS up the forward's and dx's too. On one H200, TFLOP/s with random sizes, padded against the kernel in the
-# same run: at 32 groups of 7168x2048 weights (c332952, bench/results/grouped_matmul_c332952_h200x1.json) forward
-# 476 against 579, dx 463 against 462, dw 505 against 509; at 64 groups of 4096x1024 (same file) forward 203 against
-# 317, dx 175 against 199, dw 222 against 142; at 256 groups of 7168x2048 (f208684, grouped_matmul_f208684_h200x1.json,
-# the kernel with the tiles of then) forward 353 against 249, dx 350 against 224, dw 199 against 142.
+# Where every group fits (jax_ep._padded_gmm.padded_rows) the padded dense path replaces dx's and dw's kernels, and
+# from MANY_GROUPS up the forward's too. On one H200 at aa40d64, whose padded path copies rows with Pallas Triton
+# kernels (bench/results/grouped_matmul_aa40d64_h200x1.json), TFLOP/s with random sizes, padded against the kernel in
+# the same run: 32 groups of 7168x2048 weights, forward 535 against 575, dx 510 against 497, dw 540 against 522; 64
+# groups of 4096x1024, forward 273 against 316, dx 284 against 234, dw 254 against 142; 256 groups of 7168x2048,
+# forward 360 against 339, dx 375 against 290, dw 313 against 142.
+PADDED_OPS = ("dx", "dw")
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
@@ -121,7 +122,7 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype) -> Plan | None:
     many = g >= MANY_GROUPS
     rows = "upstream" if not many and _mosaic.upstream_signature_ok() else "tiles"
     padded = _padded.padded_rows(m, g)
-    padded_ops = ("fwd", "dx", "dw") if many else ("dw",)
+    padded_ops = ("fwd", *PADDED_OPS) if many else PADDED_OPS
     blocks = (_pick(op, k, n) for op in ("fwd", "dx", "dw"))
     plan = Plan(*blocks, rows=rows, padded=padded, padded_ops=padded_ops if padded is not None else ())
     return None if plan[:3] == (None, None, None) else plan

@@ -28,7 +28,7 @@ CASES = {
     "tiny": (5, 64, 64, [2, 0, 2], True),  # fewer rows than the kernels' 8-row tile
     "wide": (300, 128, 256, [5, 0, 130, 64, 1], True),  # N = 256: the forward's 64 x 256 tiles on CUDA
     # Groups of about M / G rows, all within the padded path's 352 rows, and one group of 400 that is not: on
-    # CUDA dw takes the padded path for "even" and its kernel for "uneven"; the forward and dx run their kernels
+    # CUDA dx and dw take the padded path for "even" and their kernels for "uneven"; the forward runs its kernel
     # (fewer than 256 groups). The padded functions are also tested alone below.
     "even": (2048, 128, 192, [250, 260, 255, 262, 248, 251, 259, 253], True),
     "uneven": (2048, 128, 192, [400, 200, 255, 262, 200, 251, 259, 200], True),
@@ -252,9 +252,9 @@ def test_padded_rows_cover_groups_of_uniform_routing():
     many = gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16)
     assert many.padded == 192 and many.padded_ops == ("fwd", "dx", "dw") and many.padded_rows("dx") == 192
     few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # below 256 groups the forward and dx kernels won
-    assert few.padded == 1184 and few.padded_ops == ("dw",) and few.padded_rows("fwd") is None
+    assert few.padded == 1184 and few.padded_ops == ("dx", "dw") and few.padded_rows("fwd") is None
     small = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)
-    assert small.padded == 192 and small.padded_ops == ("dw",) and small.padded_rows("dw") == 192
+    assert small.padded == 192 and small.padded_ops == ("dx", "dw") and small.padded_rows("dw") == 192
     decode = gm.plan_for((1024, 7168), (256, 7168, 2048), bf16, bf16)  # 4 rows a group: padding would cost too much
     assert decode.padded is None and decode.padded_ops == () and decode.padded_rows("dw") is None
     assert bool(padded.fits(jnp.asarray(CASES["even"][3], jnp.int32), 352))
@@ -417,7 +417,7 @@ def test_mosaic_kernels_are_what_runs():
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize(
     "m,k,n,g,ops",
-    [(32768, 64, 128, 256, ("fwd", "dx", "dw")), (4096, 4096, 2048, 4, ("dw",))],
+    [(32768, 64, 128, 256, ("fwd", "dx", "dw")), (4096, 4096, 2048, 4, ("dx", "dw"))],
     ids=["256_groups", "4_groups_large_weights"],
 )
 def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
