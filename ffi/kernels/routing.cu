@@ -10,13 +10,15 @@
 
 namespace jax_ep {
 
-// A warp ranks at most 2 x 32 slots of a chunk: small chunks spread the kernel, which is latency-bound, over
-// many SMs (T=4096, K=8: 16 blocks).
-constexpr int kBatchesPerWarp = 2;
+// A block of at most 8 warps ranks a chunk of up to 8 x 8 x 32 slots (T=4096, K=8: 16 blocks). The kernel's time
+// is its instructions (each warp runs the same few hundred of fixed cost) and the chains between them, so a few
+// warps with 8 batches each beat 32 warps with 2 (ncu at T=128 on one H200: docs/performance.md).
+constexpr int kRoutingWarps = 8;
+constexpr int kBatchesPerWarp = 8;
 constexpr int kRoutingSharedBytes = 96 * 1024;
 
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
-  warps = std::clamp<int64_t>(kRoutingSharedBytes / (2 * std::max<int64_t>(num_experts, 1)), 1, kWarps);
+  warps = std::clamp<int64_t>(kRoutingSharedBytes / (2 * std::max<int64_t>(num_experts, 1)), 1, kRoutingWarps);
   const int64_t most = std::max<int64_t>(1, warps * 32 * kBatchesPerWarp / std::max<int64_t>(topk, 1));
   while ((int64_t{2} << chunk_shift) <= most) ++chunk_shift;  // a power of two: chunk = t >> chunk_shift
   tokens_per_chunk = int64_t{1} << chunk_shift;
@@ -55,13 +57,13 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
   return running;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRoutingWarps * 32)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
                   int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
                   int32_t* __restrict__ slot_dest, uint32_t* done) {
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
-  __shared__ int32_t rank_seen[kWarps][kMaxRanks];
-  __shared__ int32_t invalid_seen[kWarps];
+  __shared__ int32_t rank_seen[kRoutingWarps][kMaxRanks];
+  __shared__ int32_t invalid_seen[kRoutingWarps];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t chunk = blockIdx.x;
   const int64_t t0 = chunk * s.tokens_per_chunk;
