@@ -260,8 +260,8 @@ def _fwd(x, w, group_sizes, plan: Plan):
 
 def _dx(dy, w, group_sizes, plan: Plan):
     # Rows past sum(group_sizes) are 0 in every branch: the kernel leaves them unwritten and an in-place kernel
-    # zeroes them (a select over all of dx was a pass over it, 14% of dx at 64 groups on one H200), the padded
-    # path's unpad writes zeros there, and XLA's branch selects.
+    # zeroes them (a select would be one more pass over all of dx), the padded path's unpad writes zeros there,
+    # and XLA's branch selects.
     def mosaic(a, b, c):
         return _padded.zero_rows_from(_rows_kernel(plan)(a, b, c, plan.dx, transpose_rhs=True), jnp.sum(c))
 
