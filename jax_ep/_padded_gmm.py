@@ -43,6 +43,11 @@ def fits(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.max(group_sizes) <= rows
 
 
+def _kernels_take(*shapes: tuple[int, ...]) -> bool:
+    """Whether the row-copy kernels exist (a jax with Pallas Triton) and index arrays of these shapes."""
+    return _row_copies is not None and _row_copies.fits_int32(*shapes)
+
+
 def _starts(group_sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(group_sizes) - group_sizes
 
@@ -53,7 +58,7 @@ def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
     does. On CUDA a Pallas Triton kernel (:mod:`jax_ep._row_copies`), elsewhere XLA's gather and a select.
     """
-    if _row_copies is None:
+    if not _kernels_take(a.shape, (group_sizes.shape[0], rows, a.shape[1])):
         return _xla_pad(a, group_sizes, rows)
     return lax.platform_dependent(
         a,
@@ -72,7 +77,7 @@ def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 
 def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
-    if _row_copies is None:
+    if not _kernels_take(p.shape, (m, p.shape[2])):
         return _xla_unpad(p, group_sizes, m)
     return lax.platform_dependent(
         p,
@@ -107,7 +112,7 @@ def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
     def select(a, first):
         return jnp.where((jnp.arange(a.shape[0], dtype=jnp.int32) < first)[:, None], a, 0)
 
-    if _row_copies is None:
+    if not _kernels_take(a.shape):
         return select(a, first)
     return lax.platform_dependent(a, first, cuda=_row_copies.zero_rows_from, default=select)
 

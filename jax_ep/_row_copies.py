@@ -4,10 +4,14 @@ and zeroing the rows past the groups in place.
 XLA's gathers of the same rows took 1.3 (to groups) and 4.5 times (back) as long on one H200 at 32 groups
 (docs/performance.md); these kernels move blocks of rows with wide, masked loads and stores. Each takes
 ``starts`` and ``sizes`` (int32 ``[G]``) of groups laid end to end, and reads no row outside a group, so whatever
-the other rows hold (NaN included) never reaches the result.
+the other rows hold (NaN included) never reaches the result; no kernel touches a row outside its arrays, whatever the
+sizes. They take arrays of fewer than 2**31 elements (:func:`fits_int32`); larger ones go to XLA's copies, since
+the kernels were never run with indices past int32.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +25,19 @@ BLOCK_COLS = 512  # 1 KiB of bfloat16 a row: 16-byte loads and stores for every 
 _PARAMS = plt.CompilerParams(num_warps=4, num_stages=1)
 
 
+def fits_int32(*shapes: tuple[int, ...]) -> bool:
+    """Whether arrays of these shapes have fewer than 2**31 elements each (what the kernels were run with)."""
+    return all(math.prod(shape) < 2**31 for shape in shapes)
+
+
 def _cols(d: int) -> int:
     return min(BLOCK_COLS, pl.next_power_of_2(d))
+
+
+def _rows_within(c: jax.Array, size: jax.Array, row: jax.Array, m: int) -> jax.Array:
+    """Row ``c`` of a group of ``size`` rows, at ``row`` of an array of ``m`` rows, is the group's and inside the
+    array: group sizes that do not fit the array (a caller's error) never make a kernel touch memory outside it."""
+    return (c < size) & (row >= 0) & (row < m)
 
 
 def _out(shape: tuple[int, ...], *args: jax.Array) -> tuple[jax.ShapeDtypeStruct, list[jax.Array]]:
@@ -47,9 +62,10 @@ def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Arr
         c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
         col = db * bd + jnp.arange(bd, dtype=jnp.int32)
         in_cols = (col < d)[None, :]
-        size = sizes_ref[group]
-        src = a_ref.at[pl.ds(starts_ref[group] + cb * bc, bc), pl.ds(db * bd, bd)]
-        values = plt.load(src, mask=(c < size)[:, None] & in_cols, other=0)
+        start = starts_ref[group]
+        held = _rows_within(c, sizes_ref[group], start + c, m)
+        src = a_ref.at[pl.ds(start + cb * bc, bc), pl.ds(db * bd, bd)]
+        values = plt.load(src, mask=held[:, None] & in_cols, other=0)
         plt.store(o_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], values, mask=(c < rows)[:, None] & in_cols)
 
     out, args = _out((g, rows, d), starts, sizes, a)
@@ -72,9 +88,11 @@ def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Arra
         group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
         col = db * bd + jnp.arange(bd, dtype=jnp.int32)
-        mask = (c < jnp.minimum(sizes_ref[group], rows))[:, None] & (col < d)[None, :]
+        start = starts_ref[group]
+        held = _rows_within(c, jnp.minimum(sizes_ref[group], rows), start + c, m)
+        mask = held[:, None] & (col < d)[None, :]
         values = plt.load(p_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], mask=mask, other=0)
-        plt.store(o_ref.at[pl.ds(starts_ref[group] + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
+        plt.store(o_ref.at[pl.ds(start + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
 
     out, args = _out((m, d), starts, sizes, p)
     out = pl.pallas_call(

@@ -63,3 +63,36 @@ def test_row_copies_interpreted(monkeypatch, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_row_copies_on_gpu(case, dtype):
     check_kernels(case, dtype, spare=0)
+
+
+def test_arrays_past_int32_take_xlas_copies():
+    """The kernels are traced for arrays they were run with, and XLA's gathers take larger ones."""
+    bf16 = jnp.bfloat16
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    small = str(jax.make_jaxpr(lambda a, s: padded.pad(a, s, 64))(jax.ShapeDtypeStruct((256, 128), bf16), sizes))
+    assert "jax_ep_pad_rows" in small
+    huge = jax.ShapeDtypeStruct((2**24, 128), bf16)  # 2**31 elements
+    jaxprs = [
+        jax.make_jaxpr(lambda a, s: padded.pad(a, s, 64))(jax.ShapeDtypeStruct((256, 2**23), bf16), sizes),
+        jax.make_jaxpr(lambda p, s: padded.unpad(p, s, 2**24))(jax.ShapeDtypeStruct((4, 64, 128), bf16), sizes),
+        jax.make_jaxpr(lambda a: padded.zero_rows_from(a, jnp.int32(3)))(huge),
+    ]
+    for jaxpr in jaxprs:
+        assert "pallas_call" not in str(jaxpr)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")
+def test_sizes_that_do_not_fit_the_array_stay_inside_it():
+    """Group sizes past the array's end, or negative (a caller's error), give unspecified rows, but no kernel reads or
+    writes outside its arrays (a fault would end the process), and a group inside the array is still copied."""
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((40, 256)), jnp.bfloat16)
+    for sizes in ([10, 50], [-5, 12, 20], [30, 30]):
+        s = jnp.asarray(sizes, jnp.int32)
+        starts = jnp.cumsum(s) - s
+        p = jax.block_until_ready(rc.pad(a, starts, s, 64))
+        u = jax.block_until_ready(rc.unpad(p, starts, s, 40))
+        first = int(np.argmax(np.asarray(sizes) > 0))  # the first group with rows starts at 0 or past it
+        if int(starts[first]) >= 0 and int(starts[first]) + sizes[first] <= 40:
+            rows = slice(int(starts[first]), int(starts[first]) + sizes[first])
+            np.testing.assert_array_equal(np.asarray(p[first, : sizes[first]]), np.asarray(a[rows]))
+            np.testing.assert_array_equal(np.asarray(u[rows]), np.asarray(a[rows]))
