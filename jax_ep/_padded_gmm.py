@@ -43,9 +43,12 @@ def fits(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.max(group_sizes) <= rows
 
 
-def _kernels_take(*shapes: tuple[int, ...]) -> bool:
-    """Whether the row-copy kernels exist (a jax with Pallas Triton) and index arrays of these shapes."""
-    return _row_copies is not None and _row_copies.fits_int32(*shapes)
+def _row_copy(kernel, xla, *args, shapes: tuple[tuple[int, ...], ...]):
+    """``kernel(*args)`` (from :mod:`jax_ep._row_copies`) on CUDA, ``xla(*args)`` elsewhere; ``xla`` everywhere when
+    jax has no Pallas Triton or the arrays (of ``shapes``) are larger than the kernels take."""
+    if _row_copies is None or not _row_copies.fits_int32(*shapes):
+        return xla(*args)
+    return lax.platform_dependent(*args, cuda=kernel, default=xla)
 
 
 def _starts(group_sizes: jax.Array) -> jax.Array:
@@ -58,13 +61,12 @@ def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
     does. On CUDA a Pallas Triton kernel (:mod:`jax_ep._row_copies`), elsewhere XLA's gather and a select.
     """
-    if not _kernels_take(a.shape, (group_sizes.shape[0], rows, a.shape[1])):
-        return _xla_pad(a, group_sizes, rows)
-    return lax.platform_dependent(
+    return _row_copy(
+        lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
+        lambda a, s: _xla_pad(a, s, rows),
         a,
         group_sizes,
-        cuda=lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
-        default=lambda a, s: _xla_pad(a, s, rows),
+        shapes=(a.shape, (group_sizes.shape[0], rows, a.shape[1])),
     )
 
 
@@ -77,13 +79,12 @@ def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 
 def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
-    if not _kernels_take(p.shape, (m, p.shape[2])):
-        return _xla_unpad(p, group_sizes, m)
-    return lax.platform_dependent(
+    return _row_copy(
+        lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
+        lambda p, s: _xla_unpad(p, s, m),
         p,
         group_sizes,
-        cuda=lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
-        default=lambda p, s: _xla_unpad(p, s, m),
+        shapes=(p.shape, (m, p.shape[2])),
     )
 
 
@@ -112,9 +113,7 @@ def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
     def select(a, first):
         return jnp.where((jnp.arange(a.shape[0], dtype=jnp.int32) < first)[:, None], a, 0)
 
-    if not _kernels_take(a.shape):
-        return select(a, first)
-    return lax.platform_dependent(a, first, cuda=_row_copies.zero_rows_from, default=select)
+    return _row_copy(lambda a, first: _row_copies.zero_rows_from(a, first), select, a, first, shapes=(a.shape,))
 
 
 def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
