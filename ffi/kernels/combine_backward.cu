@@ -25,7 +25,7 @@ struct BackwardParams {
   float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces;  // recv_pieces divides kSumWarps
-  Divisor ranks, tokens;
+  Divisor peers, tokens;
   bool do_send, do_receive;
 };
 
@@ -150,6 +150,7 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
 
 template <typename Y>
 __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(BackwardParams p, GroupView g) {
+  AwaitPriorKernels();
   __shared__ int32_t held_rows[kSumWarps][kMaxTopk];
   __shared__ float held_weights[kSumWarps][kMaxTopk];
   __shared__ float dots[kSumWarps][kMaxTopk];
@@ -165,13 +166,11 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     if (may_run) {
-      for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
-        const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t t = p.ranks.Divide(up.unit);
-        const int dest = up.unit - t * R;
-        const int32_t pos = p.token_dest_pos[t * R + dest];
-        if (dest == me || pos < 0) continue;
-        StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
+      for (int64_t item = first_warp; item < T * (R - 1) * p.send_pieces.value; item += warps) {
+        const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
+        const int32_t pos = p.token_dest_pos[up.token * R + up.dest];
+        if (pos < 0) continue;
+        StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, up.token, up.dest, pos, p.send_pieces, up.piece, lane);
       }
     }
     SignalSent(g, call, phase);
@@ -263,17 +262,18 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   p.steps = static_cast<int32_t>(SumSteps(p.hidden, p.width));
   p.send_pieces = Divisor(PiecesPerRow(p.num_tokens * (R - 1), CopySteps(p.row_bytes), g.max_blocks, kSumWarps));
   p.recv_pieces = Divisor(PiecesInBlock(PiecesPerRow(units, p.steps, g.max_blocks, kSumWarps)));
-  p.ranks = Divisor(R);
+  p.peers = Divisor(R - 1);
   p.tokens = Divisor(p.num_tokens);
-  const int64_t send_items = units * p.send_pieces.value;
+  const int64_t send_items = p.num_tokens * (R - 1) * p.send_pieces.value;
   const int64_t recv_items = std::max(units * p.recv_pieces.value, (p.num_rows + 31) / 32);
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
-    return LaunchStatus("CombineBackwardKernel");
+    return LaunchStatus("CombineBackwardKernel",
+                        LaunchKernel(CombineBackwardKernel<Y>, BlocksFor(items, g.max_blocks, kSumWarps),
+                                     kSumThreads, 0, stream, g.early_launch, p, g));
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }

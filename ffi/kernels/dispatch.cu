@@ -36,7 +36,7 @@ struct DispatchParams {
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
   DispatchRegion region;
-  Divisor send_pieces, recv_pieces, ranks, tokens, align;
+  Divisor send_pieces, recv_pieces, ranks, peers, tokens, align;
   bool do_send, do_receive;
 };
 
@@ -274,6 +274,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
 }
 
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
+  AwaitPriorKernels();
   extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
@@ -292,13 +293,16 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   if (p.do_send) {
     if (!may_run && phase == Phase::kStart) Poison(p.token_dest_pos, T * R * 4);
     if (may_run) {
-      for (int64_t item = first_warp; item < T * R * p.send_pieces.value; item += warps) {
-        const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t t = p.ranks.Divide(up.unit);
-        const int dest = up.unit - t * R;
+      const int64_t first_thread = first_warp * 32 + lane;
+      for (int64_t i = first_thread; i < T * R; i += warps * 32) {
+        const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
+        p.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
+      }
+      for (int64_t item = first_warp; item < T * (R - 1) * p.send_pieces.value; item += warps) {
+        const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
+        const int32_t t = up.token, dest = up.dest;
         const int32_t pos = TokenPos(p, scratch, R, t, dest);
-        if (up.piece == 0 && lane == 0) p.token_dest_pos[t * R + dest] = pos;
-        if (dest == me || pos < 0) continue;
+        if (pos < 0) continue;
         StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
         if (up.piece == 0) {
           char* region = RegionAt(g, call, dest, p.region.bytes);
@@ -367,8 +371,9 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
   p->send_pieces = Divisor(PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks));
   p->recv_pieces = Divisor(PiecesPerRow(units, steps, g.max_blocks));
   p->ranks = Divisor(g.num_ranks);
+  p->peers = Divisor(g.num_ranks - 1);
   p->tokens = Divisor(p->num_tokens);
-  *send_items = units * p->send_pieces.value;
+  *send_items = std::max(p->num_tokens * (g.num_ranks - 1) * p->send_pieces.value, (units + 31) / 32);
   *recv_items = units * p->recv_pieces.value + (p->num_rows + 31) / 32;
   return CheckItems(std::max(*send_items, *recv_items));
 }
@@ -430,8 +435,9 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
-    return LaunchStatus("DispatchKernel");
+    return LaunchStatus("DispatchKernel",
+                        LaunchKernel(DispatchKernel, BlocksFor(items, g.max_blocks), kThreads, shared, stream,
+                                     g.early_launch, p, g));
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }

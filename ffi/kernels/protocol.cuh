@@ -46,6 +46,14 @@ __device__ inline uint64_t AbortWord(int code, int reporter, int peer) {
          (static_cast<uint64_t>(reporter & 0xffff) << 16) | static_cast<uint64_t>(peer & 0xffff);
 }
 
+// Every jax_ep kernel's first statement. The stream's previous kernel has completed and its writes are
+// visible after the wait (a no-op unless this kernel was launched early: LaunchKernel); then the next kernel,
+// if launched early, may be scheduled on the SMs this one leaves free. Nothing a kernel reads may come before.
+__device__ inline void AwaitPriorKernels() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // The call a kernel serves; every kernel of a call reads the same number.
 struct Call {
   uint64_t number;  // 1, 2, ... on every GPU of the group alike
@@ -158,12 +166,14 @@ __device__ inline bool LastBlock(uint32_t* counter) {
   return last;
 }
 
-// Every block ends its send phase here; the last one leaves a start's call open, raises this rank's flag on
-// every peer-store rank and, when NCCL ranks follow, tells the watchdog that a swap is about to be enqueued. A
-// group of one rank has nobody to tell.
+// Every block ends its send phase here; the last one leaves a start's call open (once every block has checked
+// that none was: CallMayRun), raises this rank's flag on every peer-store rank and, when NCCL ranks follow,
+// tells the watchdog that a swap is about to be enqueued. A group of one rank has nobody to tell, so its blocks
+// fence only for this GPU.
 __device__ inline void SignalSent(const GroupView& g, const Call& call, Phase phase) {
   if (g.num_ranks == 1 && phase == Phase::kWhole) return;
-  if (!LastBlock<true>(&g.signals->send_done) || threadIdx.x != 0) return;
+  const bool last = g.num_ranks == 1 ? LastBlock<false>(&g.signals->send_done) : LastBlock<true>(&g.signals->send_done);
+  if (!last || threadIdx.x != 0) return;
   if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
   if (g.num_ranks == 1) return;
   if (g.nccl_ranks != 0) {  // the swap follows this kernel whatever happened: the watchdog watches it

@@ -62,6 +62,20 @@ __device__ inline UnitPiece SplitItem(int64_t item, const Divisor& pieces) {
   return UnitPiece{unit, static_cast<int>(i - unit * pieces.value)};
 }
 
+// An item of a send phase, which moves pieces of tokens to every peer (every rank but this one):
+// item = (token * (R - 1) + peer) * pieces + piece, where peer counts the ranks other than `me`.
+struct PeerItem {
+  int32_t token;
+  int dest;
+  int piece;
+};
+__device__ inline PeerItem SplitPeerItem(int64_t item, const Divisor& pieces, const Divisor& peers, int me) {
+  const UnitPiece up = SplitItem(item, pieces);
+  const int32_t token = peers.Divide(up.unit);
+  const int peer = up.unit - token * peers.value;
+  return PeerItem{token, peer < me ? peer : peer + 1, up.piece};
+}
+
 // Byte range [begin, end) of piece `piece` of a row copy.
 __device__ inline void PieceBytes(int64_t row_bytes, const Divisor& pieces, int piece, int64_t* begin, int64_t* end) {
   if (pieces.value == 1) {
@@ -94,8 +108,7 @@ inline Status CheckStaging(int64_t region_bytes, const GroupView& group) {
                            "dtype=jnp.float32)");
 }
 
-inline Status LaunchStatus(const char* kernel) {
-  const cudaError_t status = cudaGetLastError();
+inline Status LaunchStatus(const char* kernel, cudaError_t status) {
   if (status == cudaSuccess) return Status::Ok();
   return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
 }
