@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
     if (!may_run && phase == Phase::kStart) Poison(p.token_dest_pos, T * R * 4);
     if (may_run) {
       const int64_t first_thread = first_warp * 32 + lane;
-      for (int64_t i = first_thread; i < T * R; i += warps * 32) {
+      for (int64_t i = first_thread; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
         const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
         p.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
       }
@@ -373,7 +373,8 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
   p->ranks = Divisor(g.num_ranks);
   p->peers = Divisor(g.num_ranks - 1);
   p->tokens = Divisor(p->num_tokens);
-  *send_items = std::max(p->num_tokens * (g.num_ranks - 1) * p->send_pieces.value, (units + 31) / 32);
+  const int64_t positions = p->s.chunks > 1 ? (units + 31) / 32 : 0;  // token_dest_pos, a thread each
+  *send_items = std::max(p->num_tokens * (g.num_ranks - 1) * p->send_pieces.value, positions);
   *recv_items = units * p->recv_pieces.value + (p->num_rows + 31) / 32;
   return CheckItems(std::max(*send_items, *recv_items));
 }
@@ -428,9 +429,9 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   int64_t send_items, recv_items;
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
-  if (phase != Phase::kFinish &&
-      !(status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, stream)).ok()) {
-    return status;
+  if (phase != Phase::kFinish) {
+    status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, stream);
+    if (!status.ok()) return status;
   }
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;

@@ -239,9 +239,10 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), unsigned grid, unsigned bloc
 // Sets the kernels' shared-memory limits; once per process, before any launch.
 Status PrepareKernels();
 
-// The dispatch's first kernel (routing.cu): slot_dest and the routing scratch.
+// The dispatch's first kernel (routing.cu): slot_dest, the routing scratch and, when the routing is one chunk,
+// token_dest_pos.
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                     const GroupView& group, int32_t* slot_dest, cudaStream_t stream);
+                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, cudaStream_t stream);
 Status PrepareRoutingKernel();
 
 }  // namespace jax_ep

@@ -60,7 +60,7 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
 __global__ void __launch_bounds__(kRoutingWarps * 32)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
                   int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
-                  int32_t* __restrict__ slot_dest, uint32_t* done) {
+                  int32_t* __restrict__ slot_dest, int32_t* __restrict__ token_dest_pos, uint32_t* done) {
   AwaitPriorKernels();
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
   __shared__ int32_t rank_seen[kRoutingWarps][kMaxRanks];
@@ -193,13 +193,14 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
       slot_local[first_slot + slot] = expert_of[b] < 0 ? -1 : expert_seen[warp * num_experts + expert_of[b]] + rank_of[b];
     }
   }
-  if (warp > 0) {
+  if (warp > 0 || s.chunks == 1) {  // warp 0's offsets are 0
     for (int64_t in_warp = lane; in_warp < per_warp_tokens; in_warp += 32) {
       const int64_t t = t0 + warp * per_warp_tokens + in_warp;
       if (t >= t1) break;
       for (int d = 0; d < num_ranks; ++d) {
         int32_t& pos = token_local[t * num_ranks + d];
         if (pos >= 0) pos += rank_seen[warp][d];
+        if (s.chunks == 1) token_dest_pos[t * num_ranks + d] = pos;  // final: no other chunk comes before
       }
     }
   }
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
 }  // namespace
 
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                     const GroupView& group, int32_t* slot_dest, cudaStream_t stream) {
+                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, cudaStream_t stream) {
   const RoutingScratch s(num_tokens, topk, num_experts, group.num_ranks);
   if (s.ints > group.scratch_ints) {
     return Status::Error(StatusCode::kResourceExhausted,
@@ -234,7 +235,8 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   const cudaError_t status = LaunchKernel(
       RoutingKernel, static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream,
       group.early_launch, topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks,
-      Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, &group.signals->routing_done);
+      Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, token_dest_pos,
+      &group.signals->routing_done);
   if (status != cudaSuccess) return Status::Internal(std::string("launching RoutingKernel: ") + cudaGetErrorString(status));
   return Status::Ok();
 }
