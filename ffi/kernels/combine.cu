@@ -91,7 +91,6 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
 // kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
 template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
-  AwaitPriorKernels();
   constexpr int kWide = Wide<Y>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
@@ -212,8 +211,8 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
     p.do_send = send;
     p.do_receive = receive;
     const auto kernel = stage_own ? CombineKernel<Y, P, true> : CombineKernel<Y, P, false>;
-    return LaunchStatus("CombineKernel", LaunchKernel(kernel, BlocksFor(items, g.max_blocks), kThreads, 0, stream,
-                                                      g.early_launch, p, g));
+    kernel<<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
+    return LaunchStatus("CombineKernel");
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }

@@ -150,7 +150,6 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
 
 template <typename Y>
 __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(BackwardParams p, GroupView g) {
-  AwaitPriorKernels();
   __shared__ int32_t held_rows[kSumWarps][kMaxTopk];
   __shared__ float held_weights[kSumWarps][kMaxTopk];
   __shared__ float dots[kSumWarps][kMaxTopk];
@@ -271,9 +270,8 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    return LaunchStatus("CombineBackwardKernel",
-                        LaunchKernel(CombineBackwardKernel<Y>, BlocksFor(items, g.max_blocks, kSumWarps),
-                                     kSumThreads, 0, stream, g.early_launch, p, g));
+    CombineBackwardKernel<Y><<<BlocksFor(items, g.max_blocks, kSumWarps), kSumThreads, 0, stream>>>(p, g);
+    return LaunchStatus("CombineBackwardKernel");
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }

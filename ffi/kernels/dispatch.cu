@@ -35,6 +35,7 @@ struct DispatchParams {
   float* weights;
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
+  float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces, ranks, peers, tokens, align;
   bool do_send, do_receive;
@@ -274,7 +275,6 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
 }
 
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
-  AwaitPriorKernels();
   extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
+    if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     if (!may_run && phase == Phase::kStart) Poison(p.token_dest_pos, T * R * 4);
     if (may_run) {
       const int64_t first_thread = first_warp * 32 + lane;
@@ -420,6 +421,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.recv_rows = c.recv_rows;
   p.recv_counts = c.recv_counts;
   p.row_slot = c.row_slot;
+  p.sent = c.sent;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
   const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
   if (shared > static_cast<size_t>(kTableSharedBytes)) {
@@ -436,9 +438,8 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    return LaunchStatus("DispatchKernel",
-                        LaunchKernel(DispatchKernel, BlocksFor(items, g.max_blocks), kThreads, shared, stream,
-                                     g.early_launch, p, g));
+    DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
+    return LaunchStatus("DispatchKernel");
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
 }

@@ -84,7 +84,6 @@ struct GroupView {
   char* inbox;             // rows from NCCL ranks: region s came from rank s (the swap is stream-ordered)
   int32_t* scratch;        // routing scratch (RoutingScratch)
   int64_t scratch_ints;
-  bool early_launch;       // kernels launch while the stream's previous kernel ends (LaunchKernel)
 };
 
 // A divisor fixed at launch: n / value for 0 <= n < 2^31 as a multiply-high and a shift. The small calls are
@@ -171,6 +170,7 @@ struct DispatchCall {
   float* out_weights;
   int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
       *recv_counts, *row_slot;
+  float* sent;  // [1], a start's output (written 0), else null
 };
 Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
                       Phase phase);
@@ -213,28 +213,6 @@ struct CombineCall {
 };
 Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
                      Phase phase);
-
-#ifdef __CUDACC__
-// Launches kernel<<<grid, block, shared, stream>>>(args...). With `early`, as a programmatic dependent launch: its
-// blocks may be scheduled while the stream's previous kernel finishes, and wait in AwaitPriorKernels (every
-// jax_ep kernel's first statement) until that kernel has completed and its memory is visible. This hides a
-// launch's latency, which is much of a small call's time.
-template <typename... Params, typename... Args>
-cudaError_t LaunchKernel(void (*kernel)(Params...), unsigned grid, unsigned block, size_t shared,
-                         cudaStream_t stream, bool early, Args... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(block);
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = early ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-#endif
 
 // Sets the kernels' shared-memory limits; once per process, before any launch.
 Status PrepareKernels();

@@ -46,14 +46,6 @@ __device__ inline uint64_t AbortWord(int code, int reporter, int peer) {
          (static_cast<uint64_t>(reporter & 0xffff) << 16) | static_cast<uint64_t>(peer & 0xffff);
 }
 
-// Every jax_ep kernel's first statement. The stream's previous kernel has completed and its writes are
-// visible after the wait (a no-op unless this kernel was launched early: LaunchKernel); then the next kernel,
-// if launched early, may be scheduled on the SMs this one leaves free. Nothing a kernel reads may come before.
-__device__ inline void AwaitPriorKernels() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // The call a kernel serves; every kernel of a call reads the same number.
 struct Call {
   uint64_t number;  // 1, 2, ... on every GPU of the group alike

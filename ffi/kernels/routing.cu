@@ -61,7 +61,6 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
                   int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
                   int32_t* __restrict__ slot_dest, int32_t* __restrict__ token_dest_pos, uint32_t* done) {
-  AwaitPriorKernels();
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
   __shared__ int32_t rank_seen[kRoutingWarps][kMaxRanks];
   __shared__ int32_t invalid_seen[kRoutingWarps];
@@ -232,11 +231,11 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
                          "; initialize with the largest num_tokens, topk and num_experts you dispatch");
   }
   const size_t shared = static_cast<size_t>(s.warps * num_experts) * sizeof(uint16_t);
-  const cudaError_t status = LaunchKernel(
-      RoutingKernel, static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream,
-      group.early_launch, topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks,
+  RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(
+      topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks,
       Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, token_dest_pos,
       &group.signals->routing_done);
+  const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return Status::Internal(std::string("launching RoutingKernel: ") + cudaGetErrorString(status));
   return Status::Ok();
 }

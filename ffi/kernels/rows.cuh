@@ -108,7 +108,8 @@ inline Status CheckStaging(int64_t region_bytes, const GroupView& group) {
                            "dtype=jnp.float32)");
 }
 
-inline Status LaunchStatus(const char* kernel, cudaError_t status) {
+inline Status LaunchStatus(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
   if (status == cudaSuccess) return Status::Ok();
   return Status::Internal(std::string("launching ") + kernel + ": " + cudaGetErrorString(status));
 }

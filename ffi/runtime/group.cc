@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <cstdlib>
 
 namespace jax_ep {
 namespace {
@@ -74,7 +73,6 @@ GroupView DeviceResources::View() const {
   view.inbox = nccl ? nccl->inbox() : nullptr;
   view.scratch = scratch;
   view.scratch_ints = scratch_ints;
-  view.early_launch = early_launch;
   return view;
 }
 
@@ -135,8 +133,6 @@ Status Group::Allocate(int ordinal, int rank, int num_ranks, int64_t staging_byt
   device->half_bytes = staging_bytes / 2;
   device->scratch_ints = scratch_ints;
   device->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-  const char* early_launch = std::getenv("JAX_EP_EARLY_LAUNCH");
-  device->early_launch = early_launch == nullptr || std::string(early_launch) != "0";
   cudaError_t status = cudaSetDevice(ordinal);
   if (status != cudaSuccess) return CudaError("cudaSetDevice", ordinal, status);
   const Status prepared = PrepareKernels();

@@ -24,7 +24,6 @@ struct DeviceResources {
   int64_t half_bytes = 0;                // each of the two staging halves
   int64_t scratch_ints = 0;
   uint64_t timeout_ns = 0;
-  bool early_launch = true;              // GroupView::early_launch; JAX_EP_EARLY_LAUNCH=0 turns it off
   char* staging = nullptr;               // [2][half_bytes], written by peers
   Signals* signals = nullptr;            // flags, abort word, call count
   PeerTable* peers = nullptr;            // device copy of every rank's staging and signals

@@ -133,6 +133,7 @@ struct DispatchOutputs {
   I32MatrixResult* slot_dest = nullptr;
   I32CubeResult* recv_rows = nullptr;
   I32VectorResult *recv_counts = nullptr, *row_slot = nullptr;
+  F32VectorResult* sent = nullptr;  // a start's
 };
 
 // The data of an output the phase writes, else null.
@@ -212,6 +213,7 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
   call.recv_rows = DataOf(out.recv_rows);
   call.recv_counts = DataOf(out.recv_counts);
   call.row_slot = DataOf(out.row_slot);
+  call.sent = DataOf(out.sent);
   return ToFfi(op, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
 
@@ -231,10 +233,11 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int
 ffi::Error DispatchStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
                          bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
                          I32Matrix topk_idx, F32Matrix topk_weights, I32Scalar axis_index,
-                         I32MatrixResult token_dest_pos, I32MatrixResult slot_dest) {
+                         I32MatrixResult token_dest_pos, I32MatrixResult slot_dest, F32VectorResult sent) {
   DispatchOutputs out;
   out.token_dest_pos = &token_dest_pos;
   out.slot_dest = &slot_dest;
+  out.sent = &sent;
   return RunDispatch("jax_ep_dispatch_start", stream, ordinal, state, num_experts, expert_layout, capacity,
                      alignment, x, topk_idx, topk_weights, axis_index, out, Phase::kStart);
 }
@@ -501,8 +504,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchStart, jax_ep::DispatchStart,
                               BindDispatch()
                                   .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .Ret<I32Matrix>()  // token_dest_pos [T, R]
-                                  .Ret<I32Matrix>(), // slot_dest [T, K]
+                                  .Ret<I32Matrix>()   // token_dest_pos [T, R]
+                                  .Ret<I32Matrix>()   // slot_dest [T, K]
+                                  .Ret<F32Vector>(),  // sent [1], written 0
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchFinish, jax_ep::DispatchFinish,

@@ -155,10 +155,15 @@ def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weigh
     rows = _fp8.wire_rows(x, config.wire_dtype)
     if config.wire_dtype is None:
         _check_dtype("x", rows)
-    token_dest_pos, slot_dest = _call(
-        "jax_ep_dispatch_start", _routed(config, rows), rows, topk_idx, topk_weights, **_dispatch_attrs(config)
+    token_dest_pos, slot_dest, link = _call(
+        "jax_ep_dispatch_start",
+        (*_routed(config, rows), _result(rows, (1,), jnp.float32)),
+        rows,
+        topk_idx,
+        topk_weights,
+        **_dispatch_attrs(config),
     )
-    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, _zeros(rows, (1,), jnp.float32)
+    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, link
 
 
 def dispatch_finish(config: Config, started: tuple) -> Dispatched:
