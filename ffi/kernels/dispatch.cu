@@ -210,7 +210,8 @@ __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const i
 }
 
 // One warp: the layout rows of a received token's slots (slot(k) gives slot k as received), then a piece of
-// the token row from src into all of them. Piece 0 also writes the rows' weights and slots, and recv_rows.
+// the token row from src into all of them. Piece 0 also writes the rows' weights and slots, and recv_rows at
+// position i (none when i < 0: a token of this rank's that has no slot here).
 template <bool kStaged, typename SlotOf>
 __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int64_t i, SlotOf slot, const char* src,
                        int piece, int32_t* held, int lane) {
@@ -225,7 +226,7 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
         const int64_t at = static_cast<int64_t>(t.start[source * L + s.local_expert]) + s.rank;
         if (at < p.capacity) row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
       }
-      if (piece == 0) {
+      if (piece == 0 && i >= 0) {
         const int64_t id = (source * T + i) * K + k;
         p.recv_rows[id] = row;
         if (row >= 0) {
@@ -349,8 +350,8 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
       for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
     }
     if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
+      // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
       const int32_t pos = TokenPos(p, scratch, R, i, me);
-      if (pos < 0) continue;
       auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
       Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
     } else if (i < recv_count[source]) {

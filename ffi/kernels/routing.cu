@@ -57,41 +57,44 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
   return running;
 }
 
-__global__ void __launch_bounds__(kRoutingWarps * 32)
-    RoutingKernel(const int32_t* __restrict__ topk_idx, int64_t num_tokens, int topk, int64_t num_experts,
+// At least one block per SM: without it, ptxas held the kernel to 64 registers and spilled.
+__global__ void __launch_bounds__(kRoutingWarps * 32, 1)
+    RoutingKernel(const int32_t* __restrict__ topk_idx, int32_t num_tokens, int topk, int32_t num_experts,
                   int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
                   int32_t* __restrict__ slot_dest, int32_t* __restrict__ token_dest_pos, uint32_t* done) {
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
   __shared__ int32_t rank_seen[kRoutingWarps][kMaxRanks];
   __shared__ int32_t invalid_seen[kRoutingWarps];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t chunk = blockIdx.x;
-  const int64_t t0 = chunk * s.tokens_per_chunk;
-  const int64_t t1 = std::min<int64_t>(num_tokens, t0 + s.tokens_per_chunk);
+  const int32_t chunk = blockIdx.x;
+  const int32_t t0 = chunk << s.chunk_shift;
+  const int32_t t1 = min(num_tokens, t0 + (1 << s.chunk_shift));
   int32_t* slot_local = scratch + s.slot_local;
   int32_t* token_local = scratch + s.token_local;
   const int32_t seen_entries = warps * static_cast<int32_t>(num_experts);
-  for (int32_t i = threadIdx.x; i < seen_entries; i += blockDim.x) expert_seen[i] = 0;
+  const int32_t seen_words = seen_entries / 8;  // 16-byte stores (dynamic shared memory is 16-byte aligned)
+  for (int32_t i = threadIdx.x; i < seen_words; i += blockDim.x) reinterpret_cast<uint4*>(expert_seen)[i] = uint4{};
+  for (int32_t i = seen_words * 8 + threadIdx.x; i < seen_entries; i += blockDim.x) expert_seen[i] = 0;
   for (int i = threadIdx.x; i < warps * kMaxRanks; i += blockDim.x) rank_seen[i / kMaxRanks][i % kMaxRanks] = 0;
   __syncthreads();
 
   // Slots: warp w ranks slots [w * per_warp, (w + 1) * per_warp) of the chunk, in order.
-  const int64_t first_slot = t0 * topk;
+  const int32_t first_slot = t0 * topk;
   const int32_t chunk_slots = static_cast<int32_t>((t1 - t0) * topk);  // at most kThreads * kBatchesPerWarp
   const int32_t per_warp = (chunk_slots + warps - 1) / warps;
   int32_t expert_of[kBatchesPerWarp], rank_of[kBatchesPerWarp];
 #pragma unroll
   for (int b = 0; b < kBatchesPerWarp; ++b) {  // every load in flight at once: the kernel is latency-bound
-    const int64_t in_warp = b * 32 + lane;
-    const int64_t slot = warp * per_warp + in_warp;
+    const int32_t in_warp = b * 32 + lane;
+    const int32_t slot = warp * per_warp + in_warp;
     expert_of[b] = in_warp < per_warp && slot < chunk_slots ? __ldg(topk_idx + first_slot + slot) : -1;
   }
   int invalid = 0;
 #pragma unroll
   for (int b = 0; b < kBatchesPerWarp; ++b) {
     if (b * 32 >= per_warp) break;  // the warp's slots are done (small T)
-    const int64_t in_warp = b * 32 + lane;
-    const int64_t slot = warp * per_warp + in_warp;
+    const int32_t in_warp = b * 32 + lane;
+    const int32_t slot = warp * per_warp + in_warp;
     const bool in = in_warp < per_warp && slot < chunk_slots;
     const int32_t e = expert_of[b];
     const bool valid = in && e >= 0 && e < num_experts;
@@ -112,9 +115,9 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
   // Tokens: warp w takes tokens [w * per_warp_tokens, ...) of the chunk, 32 at a time, in order.
   const int32_t chunk_tokens = static_cast<int32_t>(t1 - t0);
   const int32_t per_warp_tokens = (chunk_tokens + warps - 1) / warps;
-  for (int64_t b = 0; b * 32 < per_warp_tokens; ++b) {
-    const int64_t in_warp = b * 32 + lane;
-    const int64_t t = t0 + warp * per_warp_tokens + in_warp;
+  for (int32_t b = 0; b * 32 < per_warp_tokens; ++b) {
+    const int32_t in_warp = b * 32 + lane;
+    const int32_t t = t0 + warp * per_warp_tokens + in_warp;
     const bool in = in_warp < per_warp_tokens && t < t1;
     uint64_t ranks = 0;
     if (in && topk % 4 == 0 && topk <= 16) {  // 16-byte loads, all in flight at once (rows are 16-byte aligned)
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
   __syncthreads();
 
   // Per expert and per rank: exclusive prefix over the warps, and the chunk's totals.
-  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
     int32_t running = 0;
     for (int w = 0; w < warps; ++w) {
       const int32_t count = expert_seen[w * num_experts + e];
@@ -186,15 +189,15 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
 #pragma unroll
   for (int b = 0; b < kBatchesPerWarp; ++b) {
     if (b * 32 >= per_warp) break;
-    const int64_t in_warp = b * 32 + lane;
-    const int64_t slot = warp * per_warp + in_warp;
+    const int32_t in_warp = b * 32 + lane;
+    const int32_t slot = warp * per_warp + in_warp;
     if (in_warp < per_warp && slot < chunk_slots) {
       slot_local[first_slot + slot] = expert_of[b] < 0 ? -1 : expert_seen[warp * num_experts + expert_of[b]] + rank_of[b];
     }
   }
   if (warp > 0 || s.chunks == 1) {  // warp 0's offsets are 0
-    for (int64_t in_warp = lane; in_warp < per_warp_tokens; in_warp += 32) {
-      const int64_t t = t0 + warp * per_warp_tokens + in_warp;
+    for (int32_t in_warp = lane; in_warp < per_warp_tokens; in_warp += 32) {
+      const int32_t t = t0 + warp * per_warp_tokens + in_warp;
       if (t >= t1) break;
       for (int d = 0; d < num_ranks; ++d) {
         int32_t& pos = token_local[t * num_ranks + d];
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<false>(done)) return;
-  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+  for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
     scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks);
   }
   for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32)
   }
   if (threadIdx.x == 0) {
     int32_t total = 0;
-    for (int64_t c = 0; c < s.chunks; ++c) total += __ldcg(scratch + s.chunk_invalid + c);
+    for (int32_t c = 0; c < s.chunks; ++c) total += __ldcg(scratch + s.chunk_invalid + c);
     scratch[s.num_invalid] = total;
   }
 }
@@ -230,9 +233,14 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
                          "jax_ep.initialize reserved " + std::to_string(group.scratch_ints) +
                          "; initialize with the largest num_tokens, topk and num_experts you dispatch");
   }
+  if (s.ints > INT32_MAX) {  // the kernel indexes the scratch, topk_idx and slot_dest in 32 bits
+    return Status::InvalidArgument("this dispatch's routing needs " + std::to_string(s.ints) +
+                                   " ints of scratch, more than the kernel indexes; use fewer tokens per call");
+  }
   const size_t shared = static_cast<size_t>(s.warps * num_experts) * sizeof(uint16_t);
   RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(
-      topk_idx, num_tokens, static_cast<int>(topk), num_experts, group.num_ranks,
+      topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
+      group.num_ranks,
       Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, token_dest_pos,
       &group.signals->routing_done);
   const cudaError_t status = cudaGetLastError();

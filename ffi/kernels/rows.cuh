@@ -165,6 +165,7 @@ __device__ inline bool Aligned16(const char* src, const char* out, int64_t row_s
 template <bool kStaged>
 __device__ inline void CopyToRows(const char* src, const int32_t* rows, int count, char* out, int64_t row_stride,
                                   int64_t bytes, int lane) {
+  if (count == 0) return;
   if (!Aligned16(src, out, row_stride, bytes)) {
     CopyBytesToRows<kStaged>(src, rows, count, out, row_stride, bytes, lane);
     return;
