@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 SPLIT_COST_MAX = 1.05
-SHARED_INTERMEDIATE = 2048
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,10 +47,16 @@ def main(argv: list[str]) -> int:
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
 
     import jax_ep
     from jax_ep.bench.record import provenance, write
+    from jax_ep.bench.split_steps import (
+        SHARED_INTERMEDIATE,
+        combine_operands,
+        combine_step,
+        dispatch_step,
+        shared_expert_weights,
+    )
     from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, progress, seconds_per_call, time_backend
 
     tokens_list = [int(v) for v in args.tokens.split(",") if v]
@@ -79,53 +84,15 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
     kw = dict(num_experts=EXPERTS, axis_name="ep", backend=args.backend)
 
-    def pinned(start, finish, x, m):
-        """start() -> the matmul, pinned after it and before finish(pending) -> (result, matmul)."""
-        pending = start()
-        x_side, pending = jax.lax.optimization_barrier((x, pending))
-        side, pending = jax.lax.optimization_barrier((x_side @ m, pending))
-        return finish(pending), side
-
-    def dispatch_step(split):
-        def step(i, x, idx, w, m):
-            routing, m = (idx + i) % EXPERTS, m[0]
-            if split:
-                start = lambda: jax_ep.dispatch_start(x, routing, w, **kw)  # noqa: E731
-                d, side = pinned(start, jax_ep.dispatch_finish, x, m)
-            else:
-                d, side = jax.lax.optimization_barrier((jax_ep.dispatch(x, routing, w, **kw), x @ m))
-            flat = d.x.reshape(-1, d.x.shape[-1])
-            row = i % flat.shape[0]
-            return jnp.sum(flat[row].astype(jnp.float32)) + d.weights.reshape(-1)[row] + side[i % x.shape[0], 0]
-
-        return step
-
-    def combine_step(split):
-        def step(i, x, y, handle, weights, m):
-            weights, m = weights * (1.0 + i.astype(jnp.float32) * 0.0), m[0]
-            if split:
-                start = lambda: jax_ep.combine_start(y, handle, weights=weights)  # noqa: E731
-                out, side = pinned(start, jax_ep.combine_finish, x, m)
-            else:
-                out, side = jax.lax.optimization_barrier((jax_ep.combine(y, handle, weights=weights), x @ m))
-            return jnp.sum(out[i % x.shape[0]].astype(jnp.float32)) + side[i % x.shape[0], 0]
-
-        return step
-
     with jax.set_mesh(mesh):
         for tokens in tokens_list:
             x, idx, w, _ = make_inputs(1, tokens, args.hidden)
             idx = jnp.asarray(idx)
-            m = jnp.asarray(jax.random.normal(jax.random.key(0), (1, args.hidden, SHARED_INTERMEDIATE)), jnp.bfloat16)
-
-            def made(x, idx, w):
-                d = jax_ep.dispatch(x, idx, w, **kw)
-                return d.x, d.handle, d.weights
-
-            y, handle, y_weights = jax.jit(jax.shard_map(made, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
+            m = shared_expert_weights(args.hidden)
+            y, handle, y_weights = combine_operands(x, idx, w, backend=args.backend)
             row = {"split": {}, "fp8": {}}
             for op, step, operands in (
-                ("dispatch", dispatch_step, (x, idx, w, m)),
+                ("dispatch", lambda split: dispatch_step(split, **kw), (x, idx, w, m)),
                 ("combine", combine_step, (x, y, handle, y_weights, m)),
             ):
                 whole = seconds_per_call(step(False), operands, args.iters) * 1e6

@@ -1,11 +1,14 @@
 """Device time of every kernel of one dispatch and one combine (backend "cuda", an EP group of one GPU).
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base --log-file K.csv \\
-        python bench/profile_kernels.py run [--tokens 4096 --hidden 7168]
-    python bench/profile_kernels.py summarize K.csv OUT.json [--tokens 4096 --hidden 7168]
+        python bench/profile_kernels.py run [--tokens 4096 --hidden 7168] [--step exchange]
+    python bench/profile_kernels.py summarize K.csv OUT.json [--tokens 4096 --hidden 7168] [--step exchange]
 
 ``run`` calls one jitted dispatch + combine (ragged layout, capacity=None, weights=d.weights) three times, with a
-marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call.
+marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call. With ``--step``
+another step takes its place: one of bench/feature_costs.py's (``jax_ep.bench.split_steps``), a dispatch or a
+combine next to a matmul, whole (``dispatch``, ``combine``) or split (``dispatch_split``, ``combine_split``), so
+that the kernels of one step of each, XLA's included, can be set side by side.
 ``summarize`` keeps the kernels of the last call (those after the marker), in launch order, and splits them by
 name: dispatch is the
 ``RoutingKernel`` and ``DispatchKernel`` launches, combine the ``CombineKernel`` launches (names matched by
@@ -26,9 +29,17 @@ from pathlib import Path
 OPS = {"dispatch": ("RoutingKernel", "DispatchKernel"), "combine": ("CombineKernel",)}
 CALLS = 3
 MARKER = "cbrt"  # in the name of the kernel launched just before the last call
+STEP_WORDS = {
+    "exchange": "dispatch + combine",
+    "dispatch": "dispatch next to a matmul",
+    "dispatch_split": "dispatch_start, a matmul, dispatch_finish",
+    "combine": "combine next to a matmul",
+    "combine_split": "combine_start, a matmul, combine_finish",
+}
+STEPS = tuple(STEP_WORDS)
 
 
-def run(tokens: int, hidden: int) -> None:
+def run(tokens: int, hidden: int, step_name: str = "exchange") -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -48,13 +59,43 @@ def run(tokens: int, hidden: int) -> None:
     marker_input = jax.device_put(np.arange(1, 1025, dtype=np.float32), jax.devices("gpu")[0])
     marker = jax.jit(jnp.cbrt)
     with jax.set_mesh(mesh):
-        call = jax.jit(jax.shard_map(step, in_specs=P("ep"), out_specs=P("ep")))
+        if step_name == "exchange":
+            call, operands = jax.jit(jax.shard_map(step, in_specs=P("ep"), out_specs=P("ep"))), (x, idx, w)
+        else:
+            call, operands = _split_step(step_name, x, jnp.asarray(idx), w, hidden)
         for i in range(CALLS):
             if i == CALLS - 1:
                 jax.block_until_ready(marker(marker_input))
-            jax.block_until_ready(call(x, idx, w))
+            jax.block_until_ready(call(*operands))
     group.finalize()
-    print(f"profile_kernels run: {CALLS} calls of dispatch + combine at T={tokens}, H={hidden}", flush=True)
+    print(f"profile_kernels run: {CALLS} calls of step {step_name} at T={tokens}, H={hidden}", flush=True)
+
+
+def _split_step(name: str, x, idx, w, hidden: int, backend: str = "cuda"):
+    """One of jax_ep.bench.split_steps' steps, jitted, and its operands: the loop index (1, an argument as in a
+    loop) and the global arrays over the mesh's axis "ep"."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.bench import split_steps
+    from jax_ep.bench.timing import EXPERTS
+
+    m = split_steps.shared_expert_weights(hidden)
+    split = name.endswith("_split")
+    if name.startswith("dispatch"):
+        step = split_steps.dispatch_step(split, num_experts=EXPERTS, axis_name="ep", backend=backend)
+        operands = (x, idx, w, m)
+    else:
+        step = split_steps.combine_step(split)
+        operands = (x, *split_steps.combine_operands(x, idx, w, backend=backend), m)
+
+    def body(i, *args):
+        return step(i, *args)[None]
+
+    in_specs = (P(), *[P("ep")] * len(operands))
+    call = jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=P("ep")))
+    return call, (jnp.int32(1), *operands)
 
 
 def function_name(kernel: str) -> str:
@@ -166,15 +207,16 @@ def split_last_call(kernels: list[dict]) -> dict:
     return result
 
 
-def summarize(csv_path: Path, out: Path, tokens: int | None, hidden: int | None) -> int:
+def summarize(csv_path: Path, out: Path, tokens: int | None, hidden: int | None, step: str = "exchange") -> int:
     from jax_ep.bench.record import provenance, write
 
     payload = {
         **provenance("python bench/profile_kernels.py " + " ".join(sys.argv[1:])),
         "tokens": tokens,
         "hidden": hidden,
+        "step": step,
         "method": "Nsight Compute gpu__time_duration.sum per kernel (--clock-control none); kernels run one at a "
-        f"time; the last of {CALLS} calls of one jitted dispatch + combine",
+        f"time; the last of {CALLS} calls of one jitted step ({STEP_WORDS[step]})",
         "ops_by_kernel_name": {op: list(prefixes) for op, prefixes in OPS.items()},
     }
     try:
@@ -221,13 +263,14 @@ def main() -> None:
     parser.add_argument("paths", nargs="*", type=Path, help="summarize: K.csv OUT.json")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--step", choices=STEPS, default="exchange", help="what one call runs (see above)")
     args = parser.parse_args()
     if args.mode == "run":
-        run(args.tokens, args.hidden)
+        run(args.tokens, args.hidden, args.step)
     elif len(args.paths) != 2:
         parser.error("summarize takes K.csv OUT.json")
     else:
-        sys.exit(summarize(*args.paths, args.tokens, args.hidden))
+        sys.exit(summarize(*args.paths, args.tokens, args.hidden, args.step))
 
 
 if __name__ == "__main__":

@@ -294,3 +294,41 @@ def test_write_patterns_program_compiles(tmp_path):
     command = ["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-o", str(tmp_path / "write_patterns"), str(source)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_split_steps_compute_what_the_whole_steps_do():
+    """bench/profile_kernels.py's steps of bench/feature_costs.py, on the xla backend: each split step gives the
+    whole step's value, so the two versions that are set side by side do the same work."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ep.bench.timing import make_inputs
+
+    profile = _script("profile_kernels")
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    x, idx, w, _ = make_inputs(1, 16, 128)
+    with jax.set_mesh(mesh):
+        values = {}
+        for name in profile.STEPS[1:]:
+            call, operands = profile._split_step(name, x, jnp.asarray(idx), w, 128, backend="xla")
+            values[name] = float(call(*operands)[0])
+    assert all(jnp.isfinite(v) and v != 0.0 for v in values.values()), values
+    assert values["dispatch_split"] == values["dispatch"] and values["combine_split"] == values["combine"], values
+
+
+def test_feature_costs_cpu_dry_run(tmp_path):
+    out = tmp_path / "costs.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(ROOT / "bench" / "feature_costs.py"), str(out), "--platform", "cpu"]
+    command += ["--backend", "xla", "--hidden", "128", "--tokens", "16", "--iters", "2"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python bench/feature_costs.py") and result["backend"] == "xla"
+    row = result["results"]["16"]
+    for op in ("dispatch", "combine"):
+        split = row["split"][op]
+        assert split["whole_us"] > 0 and split["split_us"] > 0
+        assert split["ratio"] == split["split_us"] / split["whole_us"]
+    assert row["fp8"]["bf16_dispatch_us"] > 0 and row["fp8"]["fp8_dispatch_us"] > 0
+    assert "split + mm us" in done.stdout
