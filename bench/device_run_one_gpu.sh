@@ -5,6 +5,7 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh tests
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh split     # kernels of one whole and one split step (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh sanitize  # memcheck, racecheck, synccheck, initcheck
 # "all" builds this tree only, then runs, each step under a time limit that keeps the whole within 570 s of the
 # start: the GPU tests (bench/gpu_tests.py, <= 240 s), ncu's kernel times of one dispatch + combine at T=128 and
@@ -76,14 +77,18 @@ if [ "$stage" = tests ]; then
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
   exit 0
 fi
-ncu_run() {  # tokens seconds: every kernel of 3 calls of one dispatch + combine under Nsight Compute, into a CSV
-  rm -f "/tmp/kernels_$1.csv"
+ncu_run() {  # tokens seconds [step]: every kernel of 3 calls of one step (default: dispatch + combine) under
+  # Nsight Compute, into /tmp/kernels_<tokens>[_<step>].csv
+  local name=kernels_$1${3:+_$3}
+  rm -f "/tmp/$name.csv"
   PYTHONPATH="$builds/current" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-    --print-units base --log-file "/tmp/kernels_$1.csv" python3 "$repo/bench/profile_kernels.py" run --tokens "$1"
+    --print-units base --log-file "/tmp/$name.csv" python3 "$repo/bench/profile_kernels.py" run --tokens "$1" \
+    --step "${3:-exchange}"
 }
-ncu_summary() {  # tokens: the last call's kernels by op, into $OUT/kernels_<tokens>.json
+ncu_summary() {  # tokens [step]: the last call's kernels by op, into $OUT/kernels_<tokens>[_<step>].json
+  local name=kernels_$1${2:+_$2}
   PYTHONPATH="$builds/current" timeout 60 python3 "$repo/bench/profile_kernels.py" summarize \
-    "/tmp/kernels_$1.csv" "$OUT/kernels_$1.json" --tokens "$1"
+    "/tmp/$name.csv" "$OUT/$name.json" --tokens "$1" --step "${2:-exchange}"
 }
 if [ "$stage" = sanitize ]; then  # the four compute-sanitizer tools over bench/sanitize.py's probe, one by one
   # initcheck with XLA's command buffers off: with them on it did not finish in 110 s at 0719102 (9 s off).
@@ -100,6 +105,13 @@ if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from 
   for tokens in 128 4096; do
     ncu_run "$tokens" 200 > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
     ncu_summary "$tokens"
+  done
+  exit 0
+fi
+if [ "$stage" = split ]; then  # every kernel of one step at T=128, whole and split ops next to a matmul (ncu)
+  for step in dispatch dispatch_split combine combine_split; do
+    ncu_run 128 100 "$step" > "/tmp/profile_$step.log" 2>&1 || tail -20 "/tmp/profile_$step.log"
+    ncu_summary 128 "$step"
   done
   exit 0
 fi
