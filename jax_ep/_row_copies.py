@@ -51,16 +51,29 @@ def _out(shape: tuple[int, ...], *args: jax.Array) -> tuple[jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(shape, aval.dtype, vma=getattr(aval, "vma", frozenset())), args
 
 
+def _tile(d: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Inside a kernel of :func:`_over_groups`: its group, row block ``cb``, column block ``db``, and the group's rows
+    ``c`` and the columns ``col`` of the block."""
+    group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c = cb * BLOCK_ROWS + jnp.arange(BLOCK_ROWS, dtype=jnp.int32)
+    col = db * _cols(d) + jnp.arange(_cols(d), dtype=jnp.int32)
+    return group, cb, db, c, col
+
+
+def _over_groups(kernel, shape: tuple[int, ...], g: int, rows: int, d: int, name: str, *args: jax.Array):
+    """``kernel`` on a grid of (group, block of ``rows``, block of ``d`` columns), with an output of ``shape``."""
+    out, args = _out(shape, *args)
+    grid = (g, pl.cdiv(rows, BLOCK_ROWS), pl.cdiv(d, _cols(d)))
+    return pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=_PARAMS, name=name)(*args)
+
+
 def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
     """``[M, D]`` to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[starts[g] + c]`` for ``c < sizes[g]``, else 0."""
     m, d = a.shape
-    g = sizes.shape[0]
     bc, bd = BLOCK_ROWS, _cols(d)
 
     def kernel(starts_ref, sizes_ref, a_ref, o_ref):
-        group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
-        col = db * bd + jnp.arange(bd, dtype=jnp.int32)
+        group, cb, db, c, col = _tile(d)
         in_cols = (col < d)[None, :]
         start = starts_ref[group]
         held = _rows_within(c, sizes_ref[group], start + c, m)
@@ -68,14 +81,8 @@ def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Arr
         values = plt.load(src, mask=held[:, None] & in_cols, other=0)
         plt.store(o_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], values, mask=(c < rows)[:, None] & in_cols)
 
-    out, args = _out((g, rows, d), starts, sizes, a)
-    return pl.pallas_call(
-        kernel,
-        out_shape=out,
-        grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
-        compiler_params=_PARAMS,
-        name="jax_ep_pad_rows",
-    )(*args)
+    g = sizes.shape[0]
+    return _over_groups(kernel, (g, rows, d), g, rows, d, "jax_ep_pad_rows", starts, sizes, a)
 
 
 def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Array:
@@ -85,23 +92,14 @@ def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Arra
     bc, bd = BLOCK_ROWS, _cols(d)
 
     def kernel(starts_ref, sizes_ref, p_ref, o_ref):
-        group, cb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        c = cb * bc + jnp.arange(bc, dtype=jnp.int32)
-        col = db * bd + jnp.arange(bd, dtype=jnp.int32)
+        group, cb, db, c, col = _tile(d)
         start = starts_ref[group]
         held = _rows_within(c, jnp.minimum(sizes_ref[group], rows), start + c, m)
         mask = held[:, None] & (col < d)[None, :]
         values = plt.load(p_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], mask=mask, other=0)
         plt.store(o_ref.at[pl.ds(start + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
 
-    out, args = _out((m, d), starts, sizes, p)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=out,
-        grid=(g, pl.cdiv(rows, bc), pl.cdiv(d, bd)),
-        compiler_params=_PARAMS,
-        name="jax_ep_unpad_rows",
-    )(*args)
+    out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, p)
     return zero_rows_from(out, jnp.sum(sizes))
 
 
