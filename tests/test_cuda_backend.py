@@ -332,6 +332,41 @@ def test_a_call_between_a_start_and_its_finish_is_an_error(mesh, transport):
     _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
+@pytest.mark.parametrize("tokens", [64, 512], ids=["one_chunk", "two_chunks"])
+def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, transport, tokens):
+    """Two dispatch_starts in a row: the first writes real positions and link 0 and stays open, the second
+    fails (its positions all -1) and the group says a split op was open. One chunk of routing in a group of one
+    GPU is the start whose routing kernel checks and opens the call itself; two chunks go through the send
+    kernel."""
+    import jax_ep
+
+    ranks = mesh.devices.size
+    x, idx, w = _inputs(mesh, "uniform", tokens, 128, 8, 16, jnp.float32, seed=37)
+    spec = P("ep")
+    start = jax.jit(
+        jax.shard_map(
+            lambda *a: jax_ep.dispatch_start(*a, num_experts=16, axis_name="ep", backend="cuda").started[3:],
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
+    try:
+        group = jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
+        with jax.set_mesh(mesh):
+            first_pos, _, first_link = (np.asarray(a) for a in start(x, idx, w))
+            second_pos, _, _ = (np.asarray(a) for a in start(x, idx, w))
+        assert first_pos.shape == (tokens * ranks, ranks)
+        assert first_pos.max() >= 0 and np.all(first_pos >= -1)
+        np.testing.assert_array_equal(first_link, np.zeros(ranks, np.float32))
+        np.testing.assert_array_equal(second_pos, np.full_like(second_pos, -1))
+        with pytest.raises(RuntimeError, match="split op was open"):
+            group.check()
+    finally:
+        jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
+    kw = dict(num_experts=16)
+    _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
+
+
 def test_the_schedule_puts_pinned_compute_between_the_halves(mesh):
     """With optimization barriers (as jax_ep.nn.MoE's overlap uses them), XLA's schedule runs the matmul after
     the start's custom call and before the finish's."""

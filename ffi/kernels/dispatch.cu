@@ -433,8 +433,11 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   if (phase != Phase::kFinish) {
-    status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, stream);
-    if (!status.ok()) return status;
+    const bool start_only = phase == Phase::kStart && send_items == 0;  // R = 1, one chunk: nothing to send
+    const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
+    status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, start,
+                           stream);
+    if (!status.ok() || start_only) return status;
   }
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;

@@ -217,10 +217,18 @@ Status LaunchCombine(const CombineCall& call, const GroupView& group, const Nccl
 // Sets the kernels' shared-memory limits; once per process, before any launch.
 Status PrepareKernels();
 
+// A split dispatch's start with nothing to send (a group of one GPU, a routing of one chunk) is the routing
+// kernel alone: it checks the call, writes link (0) and leaves the call open, as the send kernel would.
+struct RoutingStart {
+  const int32_t* axis_index = nullptr;  // null: a plain routing
+  float* link = nullptr;
+};
+
 // The dispatch's first kernel (routing.cu): slot_dest, the routing scratch and, when the routing is one chunk,
 // token_dest_pos.
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, cudaStream_t stream);
+                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, RoutingStart start,
+                     cudaStream_t stream);
 Status PrepareRoutingKernel();
 
 }  // namespace jax_ep

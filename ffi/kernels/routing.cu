@@ -7,6 +7,7 @@
 
 #include "launch.h"
 #include "protocol.cuh"
+#include "rows.cuh"
 
 namespace jax_ep {
 
@@ -60,8 +61,10 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
 // At least one block per SM: without it, ptxas held the kernel to 64 registers and spilled.
 __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     RoutingKernel(const int32_t* __restrict__ topk_idx, int32_t num_tokens, int topk, int32_t num_experts,
-                  int num_ranks, Divisor local_experts, RoutingScratch s, int32_t* scratch,
-                  int32_t* __restrict__ slot_dest, int32_t* __restrict__ token_dest_pos, uint32_t* done) {
+                  Divisor local_experts, RoutingScratch s, GroupView g, int32_t* __restrict__ slot_dest,
+                  int32_t* __restrict__ token_dest_pos, RoutingStart start) {
+  const int num_ranks = g.num_ranks;
+  int32_t* scratch = g.scratch;
   extern __shared__ uint16_t expert_seen[];  // [warps][E]: slots of each expert the warp ranked so far
   __shared__ int32_t rank_seen[kRoutingWarps][kMaxRanks];
   __shared__ int32_t invalid_seen[kRoutingWarps];
@@ -89,6 +92,10 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     const int32_t slot = warp * per_warp + in_warp;
     expert_of[b] = in_warp < per_warp && slot < chunk_slots ? __ldg(topk_idx + first_slot + slot) : -1;
   }
+  // A start that only opens its call: its checks load while the slots do.
+  const bool opens_call = start.axis_index != nullptr;
+  const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
+  const bool may_run = !opens_call || CallMayRun(g, call, start.axis_index, Phase::kStart);
   int invalid = 0;
 #pragma unroll
   for (int b = 0; b < kBatchesPerWarp; ++b) {
@@ -207,8 +214,17 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     }
   }
 
+  if (opens_call) {  // one block (one chunk): every position above is written
+    __syncthreads();
+    if (!may_run) Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * num_ranks * 4);
+    if (threadIdx.x == 0) {
+      *start.link = 0.0f;
+      if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+    }
+  }
+
   // The last block: prefixes over the chunks, and the totals.
-  if (s.chunks == 1 || !LastBlock<false>(done)) return;
+  if (s.chunks == 1 || !LastBlock<false>(&g.signals->routing_done)) return;
   for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
     scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks);
   }
@@ -225,8 +241,12 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
 }  // namespace
 
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
-                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, cudaStream_t stream) {
+                     const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, RoutingStart start,
+                     cudaStream_t stream) {
   const RoutingScratch s(num_tokens, topk, num_experts, group.num_ranks);
+  if (start.axis_index != nullptr && (s.chunks != 1 || group.num_ranks != 1)) {
+    return Status::Internal("only a routing of one chunk in a group of one GPU can open a split dispatch's call");
+  }
   if (s.ints > group.scratch_ints) {
     return Status::Error(StatusCode::kResourceExhausted,
                          "this dispatch needs " + std::to_string(s.ints) + " ints of routing scratch, but "
@@ -240,9 +260,7 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   const size_t shared = static_cast<size_t>(s.warps * num_experts) * sizeof(uint16_t);
   RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(
       topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
-      group.num_ranks,
-      Divisor(num_experts / group.num_ranks), s, group.scratch, slot_dest, token_dest_pos,
-      &group.signals->routing_done);
+      Divisor(num_experts / group.num_ranks), s, group, slot_dest, token_dest_pos, start);
   const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return Status::Internal(std::string("launching RoutingKernel: ") + cudaGetErrorString(status));
   return Status::Ok();
