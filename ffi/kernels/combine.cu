@@ -4,7 +4,6 @@
 // computed on the spot from y, or staged like the others' in a split combine) and rounds once to y's type. With
 // row values (the backward pass of dispatch), each slot's value travels back with its token.
 #include <algorithm>
-#include <cstdlib>
 
 #include "launch.h"
 #include "protocol.cuh"
@@ -146,9 +145,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   }
 
   Y* out = static_cast<Y*>(p.out);
-  const ItemClaims claims{warps, T * p.recv_pieces > warps};
-  for (int64_t item = first_warp; item < T * p.recv_pieces;) {
-    const uint32_t claimed = claims.Claim(g, lane);
+  for (int64_t item = first_warp; item < T * p.recv_pieces; item += warps) {
     const UnitPiece up = SplitItem(item, p.recv_pieces);
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
@@ -195,7 +192,6 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
       }
     }
     __syncwarp();
-    item = claims.Next(item, claimed);
   }
   FinishCall(g, call);
 }
@@ -207,8 +203,7 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
   const int64_t steps = SumSteps(p.hidden, p.width), sources = stage_own ? R : R - 1;
   p.send_pieces = PiecesPerRow(sources * p.num_tokens, steps, g.max_blocks);
-  static const int items_per_warp = getenv("JAX_EP_COMBINE_ITEMS_PER_WARP") ? atoi(getenv("JAX_EP_COMBINE_ITEMS_PER_WARP")) : 1;
-  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks * items_per_warp);
+  p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
   const int64_t send_items = sources * p.num_tokens * p.send_pieces, recv_items = p.num_tokens * p.recv_pieces;
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;

@@ -3,7 +3,6 @@
 // peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
 // layout.
 #include <algorithm>
-#include <cstdlib>
 
 #include "launch.h"
 #include "protocol.cuh"
@@ -276,38 +275,6 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   }
 }
 
-// One warp item of the receive phase: a piece of a token into its rows, or 32 layout rows' fill.
-__device__ void ReceiveItem(const DispatchParams& p, const GroupView& g, const Call& call, const Tables& tables,
-                            int64_t item, int64_t token_items, int32_t* held, int lane) {
-  const int R = g.num_ranks, me = g.rank;
-  const int64_t T = p.num_tokens, K = p.topk;
-  const int32_t* scratch = g.scratch;
-  const int32_t* recv_count = tables.recv_count;
-  {
-    if (item >= token_items) {
-      FillRows(p, tables, static_cast<int32_t>(item - token_items) * 32, lane);
-      return;
-    }
-    const UnitPiece up = SplitItem(item, p.recv_pieces);
-    const int source = p.tokens.Divide(up.unit);
-    const int32_t i = up.unit - source * static_cast<int32_t>(T);
-    if (up.piece == 0 && i >= recv_count[source]) {
-      for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
-    }
-    if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
-      // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
-      const int32_t pos = TokenPos(p, scratch, R, i, me);
-      auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
-      Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
-    } else if (i < recv_count[source]) {
-      const char* region = RegionFrom(g, call, source, p.region.bytes);
-      const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
-      auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
-      Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
-    }
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
@@ -370,12 +337,29 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
   if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
-  const int64_t token_items = R * T * p.recv_pieces.value, items = token_items + (p.num_rows + 31) / 32;
-  const ItemClaims claims{warps, items > warps};
-  for (int64_t item = first_warp; item < items;) {
-    const uint32_t claimed = claims.Claim(g, lane);
-    ReceiveItem(p, g, call, tables, item, token_items, held, lane);
-    item = claims.Next(item, claimed);
+  const int64_t token_items = R * T * p.recv_pieces.value;
+  for (int64_t item = first_warp; item < token_items + (p.num_rows + 31) / 32; item += warps) {
+    if (item >= token_items) {
+      FillRows(p, tables, static_cast<int32_t>(item - token_items) * 32, lane);
+      continue;
+    }
+    const UnitPiece up = SplitItem(item, p.recv_pieces);
+    const int source = p.tokens.Divide(up.unit);
+    const int32_t i = up.unit - source * static_cast<int32_t>(T);
+    if (up.piece == 0 && i >= recv_count[source]) {
+      for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
+    }
+    if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
+      // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
+      const int32_t pos = TokenPos(p, scratch, R, i, me);
+      auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
+      Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
+    } else if (i < recv_count[source]) {
+      const char* region = RegionFrom(g, call, source, p.region.bytes);
+      const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
+      auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
+      Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
+    }
   }
   FinishCall(g, call);
 }
@@ -387,8 +371,7 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
   if (!status.ok()) return status;
   const int64_t steps = CopySteps(p->row_bytes), units = p->num_tokens * g.num_ranks;
   p->send_pieces = Divisor(PiecesPerRow(p->num_tokens * (g.num_ranks - 1), steps, g.max_blocks));
-  static const int items_per_warp = getenv("JAX_EP_ITEMS_PER_WARP") ? atoi(getenv("JAX_EP_ITEMS_PER_WARP")) : 1;
-  p->recv_pieces = Divisor(PiecesPerRow(units, steps, g.max_blocks * items_per_warp));
+  p->recv_pieces = Divisor(PiecesPerRow(units, steps, g.max_blocks));
   p->ranks = Divisor(g.num_ranks);
   p->peers = Divisor(g.num_ranks - 1);
   p->tokens = Divisor(p->num_tokens);

@@ -48,7 +48,6 @@ struct Signals {
   uint32_t send_done;           // last-block detection of a kernel's send phase
   uint32_t kernel_done;         // ... of a whole transfer kernel
   uint32_t routing_done;        // ... of the routing kernel
-  uint32_t recv_claimed;        // receive items claimed past each warp's first (reset by FinishCall)
 };
 
 // Pinned host memory, mapped for the kernels: the first failure on this GPU, for the handlers and Group.check.

@@ -223,25 +223,9 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
   return failed == 0;
 }
 
-// A receive phase's items, claimed: each warp's first item is its own (its index among the grid's warps); past
-// it, a warp claims the next free one from a counter that FinishCall resets. SMs move bytes at different rates
-// (the GPU's sections share its bandwidth unevenly), so fixed shares would end on the slowest. Claim before
-// working on an item (the atomic lands meanwhile); Next() takes the claimed item after it.
-struct ItemClaims {
-  int64_t warps;
-  bool on;  // more items than warps
-  __device__ uint32_t Claim(const GroupView& g, int lane) const {
-    return on && lane == 0 ? atomicAdd(&g.signals->recv_claimed, 1u) : 0u;
-  }
-  __device__ int64_t Next(int64_t item, uint32_t claimed) const {
-    return on ? warps + __shfl_sync(0xffffffffu, claimed, 0) : item + warps;
-  }
-};
-
 // Every block ends a call here; the last one counts it done on this GPU and closes it.
 __device__ inline void FinishCall(const GroupView& g, const Call& call) {
   if (LastBlock<false>(&g.signals->kernel_done) && threadIdx.x == 0) {
-    g.signals->recv_claimed = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
   }
