@@ -134,23 +134,27 @@ __device__ inline bool CallMayRun(const GroupView& g, const Call& call, const in
   return ok;
 }
 
-// Block-uniform: true in the last block of the grid to get here (once per launch). Every block's writes are
-// fenced (system-wide when peers must see them: kSystem) before it counts itself done, and the last block
-// sees them. A grid of one block needs no counting.
-template <bool kSystem>
+// What a block's writes must reach before it counts itself done in LastBlock: nothing (the last block reads
+// none of them, and the next kernel on this GPU sees them all), this GPU (the last block reads them), or every
+// GPU of the group (peers read them once the last block raises their flags).
+enum class Fence { kNone, kGpu, kSystem };
+
+// Block-uniform: true in the last block of the grid to get here (once per launch). A grid of one block needs
+// no counting.
+template <Fence kFence>
 __device__ inline bool LastBlock(uint32_t* counter) {
   __shared__ bool last;
   __syncthreads();
   if (gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
-    if constexpr (kSystem) {
+    if constexpr (kFence == Fence::kSystem) {
       __threadfence_system();
-    } else {
+    } else if constexpr (kFence == Fence::kGpu) {
       __threadfence();
     }
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
     if (last) {
-      __threadfence();  // acquire: every other block's writes are visible to what the last block does next
+      if constexpr (kFence != Fence::kNone) __threadfence();  // acquire: the others' writes, for the last block
       *counter = 0;
     }
   }
@@ -160,11 +164,12 @@ __device__ inline bool LastBlock(uint32_t* counter) {
 
 // Every block ends its send phase here; the last one leaves a start's call open (once every block has checked
 // that none was: CallMayRun), raises this rank's flag on every peer-store rank and, when NCCL ranks follow,
-// tells the watchdog that a swap is about to be enqueued. A group of one rank has nobody to tell, so its blocks
-// fence only for this GPU.
+// tells the watchdog that a swap is about to be enqueued. A group of one rank has nobody to tell: its start
+// only leaves the call open, for its finish, a later kernel on this GPU.
 __device__ inline void SignalSent(const GroupView& g, const Call& call, Phase phase) {
   if (g.num_ranks == 1 && phase == Phase::kWhole) return;
-  const bool last = g.num_ranks == 1 ? LastBlock<false>(&g.signals->send_done) : LastBlock<true>(&g.signals->send_done);
+  const bool last = g.num_ranks == 1 ? LastBlock<Fence::kNone>(&g.signals->send_done)
+                                     : LastBlock<Fence::kSystem>(&g.signals->send_done);
   if (!last || threadIdx.x != 0) return;
   if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
   if (g.num_ranks == 1) return;
@@ -223,9 +228,10 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
   return failed == 0;
 }
 
-// Every block ends a call here; the last one counts it done on this GPU and closes it.
+// Every block ends a call here; the last one counts it done on this GPU and closes it. Only this GPU's later
+// kernels read the count and the open word, so no block fences.
 __device__ inline void FinishCall(const GroupView& g, const Call& call) {
-  if (LastBlock<false>(&g.signals->kernel_done) && threadIdx.x == 0) {
+  if (LastBlock<Fence::kNone>(&g.signals->kernel_done) && threadIdx.x == 0) {
     *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
   }

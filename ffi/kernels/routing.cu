@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
   }
 
   // The last block: prefixes over the chunks, and the totals.
-  if (s.chunks == 1 || !LastBlock<false>(&g.signals->routing_done)) return;
+  if (s.chunks == 1 || !LastBlock<Fence::kGpu>(&g.signals->routing_done)) return;
   for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
     scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks);
   }
