@@ -332,3 +332,30 @@ def test_feature_costs_cpu_dry_run(tmp_path):
         assert split["ratio"] == split["split_us"] / split["whole_us"]
     assert row["fp8"]["bf16_dispatch_us"] > 0 and row["fp8"]["fp8_dispatch_us"] > 0
     assert "split + mm us" in done.stdout
+
+
+def test_phase_times_keeps_the_last_launch_of_each_kernel_and_its_phases(tmp_path):
+    phase_times = _script("phase_times")
+    log = ["noise", "PH D 0 0 1 2 3 4 5 7"]  # a first dispatch launch, replaced below
+    log += ["PH D 0 105 125 135 175 305 325 4", "PH D 1 100 110 130 160 260 270 3", "PH C 0 500 510 520 520 900 950 9"]
+    launches = phase_times.read_launches(log)
+    assert [(k, sorted(b)) for k, b in launches] == [("D", [0]), ("D", [0, 1]), ("C", [0])]
+    summary = phase_times.summarize_launch(launches[1][1])
+    assert summary["span_ns"] == 325 - 100 and summary["start_spread_ns"] == 5
+    assert summary["phases"]["check"] == {"median_ns": 15, "max_ns": 20}
+    assert summary["phases"]["items"] == {"median_ns": 115, "max_ns": 130}
+    assert summary["items_ns_by_block"] == [130, 100] and summary["sm_by_block"] == [4, 3]
+    (tmp_path / "phase.log").write_text("\n".join(log) + "\n")
+    assert phase_times.summarize(tmp_path / "phase.log", tmp_path / "out.json") == 0
+    kernels = json.loads((tmp_path / "out.json").read_text())["kernels"]
+    assert kernels["DispatchKernel"]["blocks"] == 2 and kernels["CombineKernel"]["phases"]["items"]["max_ns"] == 380
+    (tmp_path / "empty.log").write_text("no stamps\n")
+    assert phase_times.summarize(tmp_path / "empty.log", tmp_path / "empty.json") == 1
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_phase_times_patch_still_applies_to_the_kernels():
+    done = subprocess.run(
+        ["git", "apply", "--check", "bench/phase_times.patch"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
