@@ -433,7 +433,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   if (phase != Phase::kFinish) {
-    const bool start_only = phase == Phase::kStart && send_items == 0;  // R = 1, one chunk: nothing to send
+    const bool start_only = phase == Phase::kStart && R == 1 && p.s.chunks == 1;  // nothing to send
     const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
     status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, start,
                            stream);
