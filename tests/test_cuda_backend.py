@@ -5,6 +5,7 @@ Every test runs on three EP groups: 2 GPUs reaching each other by peer stores ov
 ("one_gpu": every row stays local, so it runs on single-GPU machines too).
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -310,24 +311,35 @@ def test_a_call_between_a_start_and_its_finish_is_an_error(mesh, transport):
     x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=29)
     kw = dict(num_experts=16, axis_name="ep", backend="cuda")
     spec = P("ep")
+    with _fails_with_a_split_op_open(mesh, transport, (x, idx, w)):
+        start = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch_start(*a, **kw), in_specs=spec, out_specs=spec))
+        finish = jax.jit(jax.shard_map(lambda p: jax_ep.dispatch_finish(p).x[None], in_specs=spec, out_specs=spec))
+        whole = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch(*a, **kw).x[None], in_specs=spec, out_specs=spec))
+        pending = start(x, idx, w)
+        jax.block_until_ready(whole(x, idx, w))  # between the start and its finish
+        try:
+            out = np.asarray(finish(pending))
+        except Exception as error:  # the handler may already report the failure
+            assert "split op" in str(error), error
+        else:
+            assert np.all(np.isnan(out))
+
+
+@contextlib.contextmanager
+def _fails_with_a_split_op_open(mesh, transport, inputs):
+    """Runs the body in a fresh group under the mesh; the body must leave the group failed with a split op open
+    (Group.check says so). Then initialize brings the group back, and a split step on ``inputs`` matches xla."""
+    import jax_ep
+
     try:
         group = jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
         with jax.set_mesh(mesh):
-            start = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch_start(*a, **kw), in_specs=spec, out_specs=spec))
-            finish = jax.jit(jax.shard_map(lambda p: jax_ep.dispatch_finish(p).x[None], in_specs=spec, out_specs=spec))
-            whole = jax.jit(jax.shard_map(lambda *a: jax_ep.dispatch(*a, **kw).x[None], in_specs=spec, out_specs=spec))
-            pending = start(x, idx, w)
-            jax.block_until_ready(whole(x, idx, w))  # between the start and its finish
-            try:
-                out = np.asarray(finish(pending))
-            except Exception as error:  # the handler may already report the failure
-                assert "split op" in str(error), error
-            else:
-                assert np.all(np.isnan(out))
+            yield
         with pytest.raises(RuntimeError, match="split op was open"):
             group.check()
     finally:
         jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
+    x, idx, w = inputs
     kw = dict(num_experts=16)
     _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
@@ -350,21 +362,13 @@ def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, tra
             out_specs=spec,
         )
     )
-    try:
-        group = jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
-        with jax.set_mesh(mesh):
-            first_pos, _, first_link = (np.asarray(a) for a in start(x, idx, w))
-            second_pos, _, _ = (np.asarray(a) for a in start(x, idx, w))
+    with _fails_with_a_split_op_open(mesh, transport, (x, idx, w)):
+        first_pos, _, first_link = (np.asarray(a) for a in start(x, idx, w))
+        second_pos, _, _ = (np.asarray(a) for a in start(x, idx, w))
         assert first_pos.shape == (tokens * ranks, ranks)
         assert first_pos.max() >= 0 and np.all(first_pos >= -1)
         np.testing.assert_array_equal(first_link, np.zeros(ranks, np.float32))
         np.testing.assert_array_equal(second_pos, np.full_like(second_pos, -1))
-        with pytest.raises(RuntimeError, match="split op was open"):
-            group.check()
-    finally:
-        jax_ep.initialize(mesh, "ep", **SIZES, transport=transport)
-    kw = dict(num_experts=16)
-    _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
 def test_the_schedule_puts_pinned_compute_between_the_halves(mesh):
