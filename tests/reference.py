@@ -1,4 +1,4 @@
-"""An independent NumPy reference of dispatch and combine, written from SPEC.md alone.
+"""An independent NumPy reference of dispatch and combine, written from the contract alone (docs/api.md).
 
 Plain loops over slots, on purpose: it shares no code and no technique with ``jax_ep``.
 Every array here is stacked over ranks: ``x [R, T, H]``, ``topk_idx [R, T, K]``,
@@ -67,7 +67,7 @@ def dispatch(
     capacity: int | None = None,
     expert_alignment: int = 1,
 ) -> RefDispatch:
-    """The dispatch of SPEC.md on every rank of an EP group of ``R = x.shape[0]`` ranks."""
+    """The contract's dispatch on every rank of an EP group of ``R = x.shape[0]`` ranks."""
     assert layout in LAYOUTS
     num_ranks, num_tokens, topk = topk_idx.shape
     hidden = x.shape[-1]
