@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   bool may_run = false;
   if constexpr (kRoutes) {  // the call check loads while the routing's slots do; block 0 writes its outputs
     int32_t* routing_scratch = reinterpret_cast<int32_t*>(dispatch_memory);
-    const RoutingShared memory = RoutingShared::At(dispatch_memory + p.routing_at, kWarps);
+    const RoutingShared memory = RoutingShared::At(dispatch_memory + p.routing_at, kWarps, p.s.tokens_per_chunk);
     RouteChunk<kRoutingBatchesInDispatch>(p.routing, 0, memory, routing_scratch, [&] {
       may_run = CallMayRun(g, call, p.axis_index, phase);
       return may_run && blockIdx.x == 0;
@@ -454,11 +454,11 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   int64_t shared = table_bytes;
   if (phase == Phase::kWhole && g.nccl_ranks == 0 && p.s.chunks == 1) {  // the routing in the kernel, if it fits
     const int64_t routing_at = (p.s.ints * 4 + 15) / 16 * 16;
-    const int64_t tables_at = routing_at + RoutingShared::Bytes(kWarps, c.num_experts);
+    const int64_t tables_at = routing_at + RoutingShared::Bytes(kWarps, p.s.tokens_per_chunk, c.num_experts);
     if (tables_at + table_bytes <= kTableSharedBytes) {
       p.routing = RoutingArgs{c.topk_idx, static_cast<int32_t>(c.num_tokens), static_cast<int>(c.topk),
-                              static_cast<int32_t>(c.num_experts), Divisor(p.local_experts), p.s, R, c.slot_dest,
-                              c.token_dest_pos};
+                              static_cast<int32_t>(c.num_experts), Divisor(p.local_experts), Divisor(c.topk), p.s, R,
+                              c.slot_dest, c.token_dest_pos};
       p.routing_at = routing_at;
       p.tables_at = tables_at;
       shared = tables_at + table_bytes;

@@ -31,30 +31,11 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 
 namespace {
 
-// Exclusive prefix, in place, of the `count` values at values[c * stride]; returns their total. Eight loads go
-// out at once (from L2: other blocks wrote them), since the last block's pass waits on memory, not arithmetic.
-__device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t count) {
-  int32_t running = 0;
-  for (int64_t c0 = 0; c0 < count; c0 += 8) {
-    int32_t loaded[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) loaded[j] = c0 + j < count ? __ldcg(values + (c0 + j) * stride) : 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (c0 + j < count) {
-        values[(c0 + j) * stride] = running;
-        running += loaded[j];
-      }
-    }
-  }
-  return running;
-}
-
 // At least one block per SM: without it, ptxas held the kernel to 64 registers and spilled.
 __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     RoutingKernel(RoutingArgs a, GroupView g, RoutingStart start) {
   extern __shared__ __align__(16) char routing_memory[];
-  const RoutingShared shared = RoutingShared::At(routing_memory, blockDim.x / 32);
+  const RoutingShared shared = RoutingShared::At(routing_memory, blockDim.x / 32, a.s.tokens_per_chunk);
   // A start that only opens its call: its checks load while the slots do.
   const bool opens_call = start.axis_index != nullptr;
   const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
@@ -78,11 +59,12 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<Fence::kGpu>(&g.signals->routing_done)) return;
+  const auto from_l2 = [](const int32_t* value) { return __ldcg(value); };  // other blocks wrote them
   for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks);
+    scratch[s.expert_count + e] = PrefixInPlace(scratch + s.chunk_expert + e, num_experts, s.chunks, from_l2);
   }
   for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-    scratch[s.rank_count + d] = PrefixInPlace(scratch + s.chunk_rank + d, num_ranks, s.chunks);
+    scratch[s.rank_count + d] = PrefixInPlace(scratch + s.chunk_rank + d, num_ranks, s.chunks, from_l2);
   }
   if (threadIdx.x == 0) {
     int32_t total = 0;
@@ -111,9 +93,9 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
                                    " ints of scratch, more than the kernel indexes; use fewer tokens per call");
   }
   const RoutingArgs args{topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk),
-                         static_cast<int32_t>(num_experts), Divisor(num_experts / group.num_ranks), s,
-                         group.num_ranks, slot_dest, token_dest_pos};
-  const size_t shared = static_cast<size_t>(RoutingShared::Bytes(s.warps, num_experts));
+                         static_cast<int32_t>(num_experts), Divisor(num_experts / group.num_ranks), Divisor(topk),
+                         s, group.num_ranks, slot_dest, token_dest_pos};
+  const size_t shared = static_cast<size_t>(RoutingShared::Bytes(s.warps, s.tokens_per_chunk, num_experts));
   RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(args, group,
                                                                                                          start);
   const cudaError_t status = cudaGetLastError();
@@ -124,7 +106,7 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
 Status PrepareRoutingKernel() {
   const cudaError_t status =
       cudaFuncSetAttribute(RoutingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kRoutingSharedBytes + static_cast<int>(RoutingShared::CountBytes(kRoutingWarps)));
+                           kRoutingSharedBytes + static_cast<int>(RoutingShared::CountBytes(kRoutingWarps, kMaxChunkTokens)));
   if (status != cudaSuccess) {
     return Status::Internal(std::string("cudaFuncSetAttribute(RoutingKernel): ") + cudaGetErrorString(status));
   }

@@ -19,20 +19,26 @@ namespace jax_ep {
 // (ncu at T=128 on one H200: docs/performance.md).
 constexpr int kRoutingWarps = 8;
 constexpr int kBatchesPerWarp = 8;
+constexpr int64_t kMaxChunkTokens = kRoutingWarps * 32 * kBatchesPerWarp;  // topk = 1
 
-// RouteChunk's working memory, in a block's dynamic shared memory: per warp, its counts of each rank's tokens,
-// of invalid slots and of each expert's slots.
+// RouteChunk's working memory, in a block's dynamic shared memory: each token's ranks, and per warp, its counts
+// of each rank's tokens, of invalid slots and of each expert's slots.
 struct RoutingShared {
+  uint64_t* token_ranks;  // [tokens per chunk]: bit d, the token has a slot on rank d
   int32_t* rank_seen;     // [warps][kMaxRanks]
   int32_t* invalid_seen;  // [warps]
   uint16_t* expert_seen;  // [warps][E], 16-byte aligned
-  JAX_EP_HOST_DEVICE static int64_t CountBytes(int64_t warps) { return (warps * (kMaxRanks + 1) * 4 + 15) / 16 * 16; }
-  JAX_EP_HOST_DEVICE static int64_t Bytes(int64_t warps, int64_t num_experts) {
-    return CountBytes(warps) + (warps * num_experts * 2 + 15) / 16 * 16;
+  JAX_EP_HOST_DEVICE static int64_t CountBytes(int64_t warps, int64_t tokens) {
+    return tokens * 8 + (warps * (kMaxRanks + 1) * 4 + 15) / 16 * 16;
   }
-  __device__ static RoutingShared At(char* memory, int warps) {
-    int32_t* counts = reinterpret_cast<int32_t*>(memory);
-    return RoutingShared{counts, counts + warps * kMaxRanks, reinterpret_cast<uint16_t*>(memory + CountBytes(warps))};
+  JAX_EP_HOST_DEVICE static int64_t Bytes(int64_t warps, int64_t tokens, int64_t num_experts) {
+    return CountBytes(warps, tokens) + (warps * num_experts * 2 + 15) / 16 * 16;
+  }
+  __device__ static RoutingShared At(char* memory, int warps, int64_t tokens) {
+    uint64_t* token_ranks = reinterpret_cast<uint64_t*>(memory);
+    int32_t* counts = reinterpret_cast<int32_t*>(token_ranks + tokens);
+    return RoutingShared{token_ranks, counts, counts + warps * kMaxRanks,
+                         reinterpret_cast<uint16_t*>(memory + CountBytes(warps, tokens))};
   }
 };
 
@@ -41,7 +47,7 @@ struct RoutingArgs {
   int32_t num_tokens;
   int topk;
   int32_t num_experts;
-  Divisor local_experts;
+  Divisor local_experts, topk_divisor;
   RoutingScratch s;
   int num_ranks;
   int32_t* slot_dest;       // outputs, written when the check says so
@@ -49,6 +55,26 @@ struct RoutingArgs {
 };
 
 __device__ inline unsigned LanesBelow(int lane) { return (1u << lane) - 1; }
+
+// Exclusive prefix, in place, of the `count` values at values[c * stride] (each read by load); returns their
+// total. Eight loads go out at once: the pass is a chain of memory latencies, not arithmetic.
+template <typename T, typename Load>
+__device__ inline int32_t PrefixInPlace(T* values, int64_t stride, int64_t count, Load load) {
+  int32_t running = 0;
+  for (int64_t c0 = 0; c0 < count; c0 += 8) {
+    int32_t loaded[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) loaded[j] = c0 + j < count ? load(values + (c0 + j) * stride) : 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (c0 + j < count) {
+        values[(c0 + j) * stride] = static_cast<T>(running);
+        running += loaded[j];
+      }
+    }
+  }
+  return running;
+}
 
 // Every thread of the block: ranks chunk `chunk` into `scratch` (laid out as RoutingScratch), the chunk's counts
 // in chunk_expert/chunk_rank/chunk_invalid (of one chunk: the totals too, and 0 as its base). check() runs, in
@@ -81,6 +107,7 @@ __device__ void RouteChunk(const RoutingArgs& a, int32_t chunk, RoutingShared sh
   for (int32_t i = threadIdx.x; i < seen_words; i += blockDim.x) reinterpret_cast<uint4*>(sh.expert_seen)[i] = uint4{};
   for (int32_t i = seen_words * 8 + threadIdx.x; i < seen_entries; i += blockDim.x) sh.expert_seen[i] = 0;
   for (int i = threadIdx.x; i < warps * kMaxRanks; i += blockDim.x) sh.rank_seen[i] = 0;
+  for (int32_t i = threadIdx.x; i < t1 - t0; i += blockDim.x) sh.token_ranks[i] = 0;
   const bool writes = check();
   __syncthreads();
 
@@ -104,10 +131,13 @@ __device__ void RouteChunk(const RoutingArgs& a, int32_t chunk, RoutingShared sh
     __syncwarp();
     expert_of[b] = valid ? e : -1;
     rank_of[b] = seen + before;
-    if (in && writes) a.slot_dest[first_slot + slot] = valid ? a.local_experts.Divide(e) : -1;
+    const int32_t dest = valid ? a.local_experts.Divide(e) : -1;
+    if (valid) atomicOr(reinterpret_cast<unsigned long long*>(sh.token_ranks + a.topk_divisor.Divide(slot)), 1ull << dest);
+    if (in && writes) a.slot_dest[first_slot + slot] = dest;
   }
   for (int offset = 16; offset > 0; offset /= 2) invalid += __shfl_down_sync(0xffffffffu, invalid, offset);
   if (lane == 0) sh.invalid_seen[warp] = invalid;
+  __syncthreads();  // every token's ranks
 
   // Tokens: warp w takes tokens [w * per_warp_tokens, ...) of the chunk, 32 at a time, in order.
   const int32_t chunk_tokens = t1 - t0;
@@ -116,27 +146,7 @@ __device__ void RouteChunk(const RoutingArgs& a, int32_t chunk, RoutingShared sh
     const int32_t in_warp = b * 32 + lane;
     const int32_t t = t0 + warp * per_warp_tokens + in_warp;
     const bool in = in_warp < per_warp_tokens && t < t1;
-    uint64_t ranks = 0;
-    if (in && topk % 4 == 0 && topk <= 16) {  // 16-byte loads, all in flight at once (rows are 16-byte aligned)
-      const int4* row = reinterpret_cast<const int4*>(a.topk_idx + t * topk);
-      int4 ids[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if (q < topk / 4) ids[q] = __ldg(row + q);
-      }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if (q >= topk / 4) break;
-        for (const int32_t e : {ids[q].x, ids[q].y, ids[q].z, ids[q].w}) {
-          if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << a.local_experts.Divide(e);
-        }
-      }
-    } else {
-      for (int k = 0; in && k < topk; ++k) {
-        const int32_t e = a.topk_idx[t * topk + k];
-        if (e >= 0 && e < num_experts) ranks |= uint64_t{1} << a.local_experts.Divide(e);
-      }
-    }
+    const uint64_t ranks = in ? sh.token_ranks[t - t0] : 0;
     for (int d = 0; d < num_ranks; ++d) {
       const bool sends = (ranks >> d) & 1;
       const unsigned senders = __ballot_sync(0xffffffffu, sends);
@@ -150,13 +160,9 @@ __device__ void RouteChunk(const RoutingArgs& a, int32_t chunk, RoutingShared sh
   __syncthreads();
 
   // Per expert and per rank: exclusive prefix over the warps, and the chunk's totals.
+  const auto plain = [](const auto* value) { return *value; };
   for (int32_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int32_t running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int32_t count = sh.expert_seen[w * num_experts + e];
-      sh.expert_seen[w * num_experts + e] = static_cast<uint16_t>(running);
-      running += count;
-    }
+    int32_t running = PrefixInPlace(sh.expert_seen + e, num_experts, warps, plain);
     if (s.chunks == 1) {  // no other chunk: the totals are final, the chunk's base is 0
       scratch[s.expert_count + e] = running;
       running = 0;
@@ -164,12 +170,7 @@ __device__ void RouteChunk(const RoutingArgs& a, int32_t chunk, RoutingShared sh
     scratch[s.chunk_expert + chunk * num_experts + e] = running;
   }
   for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-    int32_t running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int32_t count = sh.rank_seen[w * kMaxRanks + d];
-      sh.rank_seen[w * kMaxRanks + d] = running;
-      running += count;
-    }
+    int32_t running = PrefixInPlace(sh.rank_seen + d, kMaxRanks, warps, plain);
     if (s.chunks == 1) {
       scratch[s.rank_count + d] = running;
       running = 0;
