@@ -1,23 +1,18 @@
 // The dispatch kernel: each token goes once to every peer rank it is routed to (its row, its slots'
 // (local expert, rank, weight) and this rank's counts, stored into the peer's staging half), then, once every
 // peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
-// layout. A whole dispatch whose routing is one chunk (decode sizes) ranks it in every block first, into shared
-// memory, instead of after a routing kernel.
+// layout.
 #include <algorithm>
 
 #include "launch.h"
 #include "protocol.cuh"
-#include "routing.cuh"
 #include "rows.cuh"
 
 namespace jax_ep {
 
 namespace {
 
-constexpr int kTableSharedBytes = 96 * 1024;  // the row tables and, with the routing in the kernel, its memory
-// The routing's batches per warp in a block of kWarps: a chunk's slots are at most the routing kernel's.
-constexpr int kRoutingBatchesInDispatch = kRoutingWarps * kBatchesPerWarp / kWarps;
-static_assert(kRoutingBatchesInDispatch * kWarps == kRoutingWarps * kBatchesPerWarp);
+constexpr int kTableSharedBytes = 96 * 1024;
 
 // A slot as it travels with its token: its local expert on the receiver (-1: not for this rank), its rank
 // among the sender's slots of that expert, and its routing weight.
@@ -44,8 +39,6 @@ struct DispatchParams {
   DispatchRegion region;
   Divisor send_pieces, recv_pieces, ranks, peers, tokens, align;
   bool do_send, do_receive;
-  RoutingArgs routing;  // for DispatchKernel<true>, whose shared memory holds the routing's scratch (at 0) and
-  int64_t routing_at, tables_at;  // RouteChunk's memory before the row tables (at 0 in DispatchKernel<false>)
 };
 
 // Position of token t in this rank's send list to rank d, or -1.
@@ -282,11 +275,8 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   }
 }
 
-// kRoutes: every block ranks the routing (one chunk) itself first. A template, so that the kernel without it
-// keeps its registers (the other kernel spills 28 bytes, which small calls hide).
-template <bool kRoutes>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
-  extern __shared__ __align__(16) char dispatch_memory[];
+  extern __shared__ int32_t table_memory[];
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
@@ -296,21 +286,10 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
+  const int32_t* scratch = g.scratch;
   int32_t* held = held_rows[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
-  const int32_t* scratch = g.scratch;
-  bool may_run = false;
-  if constexpr (kRoutes) {  // the call check loads while the routing's slots do; block 0 writes its outputs
-    int32_t* routing_scratch = reinterpret_cast<int32_t*>(dispatch_memory);
-    const RoutingShared memory = RoutingShared::At(dispatch_memory + p.routing_at, kWarps, p.s.tokens_per_chunk);
-    RouteChunk<kRoutingBatchesInDispatch>(p.routing, 0, memory, routing_scratch, [&] {
-      may_run = CallMayRun(g, call, p.axis_index, phase);
-      return may_run && blockIdx.x == 0;
-    });
-    scratch = routing_scratch;
-  } else {
-    may_run = CallMayRun(g, call, p.axis_index, phase);
-  }
+  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
@@ -355,7 +334,6 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   }
 
   const int64_t L = p.local_experts;
-  int32_t* table_memory = reinterpret_cast<int32_t*>(dispatch_memory + p.tables_at);
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
   if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
@@ -446,28 +424,15 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.row_slot = c.row_slot;
   p.sent = c.sent;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
-  const int64_t table_bytes = (R * p.local_experts + 2 * p.local_experts) * 4;
-  if (table_bytes > kTableSharedBytes) {
-    return Status::InvalidArgument("the receivers' row tables need " + std::to_string(table_bytes) +
+  const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
+  if (shared > static_cast<size_t>(kTableSharedBytes)) {
+    return Status::InvalidArgument("the receivers' row tables need " + std::to_string(shared) +
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
-  }
-  int64_t shared = table_bytes;
-  if (phase == Phase::kWhole && g.nccl_ranks == 0 && p.s.chunks == 1) {  // the routing in the kernel, if it fits
-    const int64_t routing_at = (p.s.ints * 4 + 15) / 16 * 16;
-    const int64_t tables_at = routing_at + RoutingShared::Bytes(kWarps, p.s.tokens_per_chunk, c.num_experts);
-    if (tables_at + table_bytes <= kTableSharedBytes) {
-      p.routing = RoutingArgs{c.topk_idx, static_cast<int32_t>(c.num_tokens), static_cast<int>(c.topk),
-                              static_cast<int32_t>(c.num_experts), Divisor(p.local_experts), Divisor(c.topk), p.s, R,
-                              c.slot_dest, c.token_dest_pos};
-      p.routing_at = routing_at;
-      p.tables_at = tables_at;
-      shared = tables_at + table_bytes;
-    }
   }
   int64_t send_items, recv_items;
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
-  if (phase != Phase::kFinish && p.routing_at == 0) {
+  if (phase != Phase::kFinish) {
     const bool start_only = phase == Phase::kStart && R == 1 && p.s.chunks == 1;  // nothing to send
     const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
     status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, start,
@@ -477,8 +442,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    const auto kernel = p.routing_at > 0 ? DispatchKernel<true> : DispatchKernel<false>;
-    kernel<<<BlocksFor(items, g.max_blocks), kThreads, static_cast<size_t>(shared), stream>>>(p, g);
+    DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
@@ -487,12 +451,10 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
 Status PrepareKernels() {
   Status status = PrepareRoutingKernel();
   if (!status.ok()) return status;
-  for (const auto kernel : {DispatchKernel<false>, DispatchKernel<true>}) {
-    const cudaError_t error =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
-    if (error != cudaSuccess) {
-      return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
-    }
+  const cudaError_t error =
+      cudaFuncSetAttribute(DispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
+  if (error != cudaSuccess) {
+    return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
   }
   return Status::Ok();
 }
