@@ -88,22 +88,6 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
-// The call check's words, loaded by thread 0; meanwhile a receive that sends nothing first (a group of one GPU, a
-// finish) sorts its warp's first item's rows, so that the check's latency and the routing's chain of loads
-// overlap and the receive loop finds that routing in L1.
-template <bool kStageOwn>
-__device__ inline CallWords LoadWordsAndRows(const CombineParams& p, const GroupView& g, int me, int32_t* rows,
-                                                   float* weights, int lane) {
-  const CallWords words = LoadCallWords(g, p.axis_index);
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const bool sends = p.do_send && (kStageOwn || g.num_ranks > 1);
-  if (kStageOwn || sends || !p.do_receive || item >= p.num_tokens * p.recv_pieces) return words;
-  const int64_t t = SplitItem(item, p.recv_pieces).unit;
-  const int32_t own_pos = p.token_dest_pos[t * g.num_ranks + me];
-  if (own_pos >= 0) SortedRows(p.recv_rows + (me * p.num_tokens + own_pos) * p.topk, p.topk, p.weights, rows, weights, lane);
-  return words;
-}
-
 // kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
 template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
@@ -120,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   int32_t* rows = held_rows[warp];
   float* weights = held_weights[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
-  const bool may_run = CallMayRun(g, call, LoadWordsAndRows<kStageOwn>(p, g, me, rows, weights, lane), phase);
+  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
