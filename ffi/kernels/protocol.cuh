@@ -91,10 +91,9 @@ __device__ inline void Fail(const GroupView& g, const Call& call, int code, int 
   __threadfence_system();
 }
 
-// True when the group is out of step (this GPU's abort word is set, or, with NCCL ranks, the watchdog
-// recorded a failed swap); the host status then says why.
-__device__ inline bool Aborted(const GroupView& g, const Call& call) {
-  const uint64_t word = Volatile(&g.signals->abort);
+// True when the group is out of step (this GPU's abort word, read as `word`, is set, or, with NCCL ranks, the
+// watchdog recorded a failed swap); the host status then says why.
+__device__ inline bool Aborted(const GroupView& g, const Call& call, uint64_t word) {
   if (word != 0) {
     Report(g, call, word, 0);
     return true;
@@ -107,31 +106,44 @@ __device__ inline bool Aborted(const GroupView& g, const Call& call) {
   Fail(g, call, status->code, status->peer, 0);
   return true;
 }
+__device__ inline bool Aborted(const GroupView& g, const Call& call) { return Aborted(g, call, Volatile(&g.signals->abort)); }
 
 // The phase of a launch that runs these halves of a transfer kernel.
 __device__ inline Phase PhaseOf(bool send, bool receive) {
   return send && receive ? Phase::kWhole : (send ? Phase::kStart : Phase::kFinish);
 }
 
+// What a call check reads, loaded by thread 0 at a kernel's start: a kernel may load other things while these
+// loads are in flight, as long as it writes nothing before CallMayRun.
+struct CallWords {
+  int32_t axis;
+  uint64_t open, abort;
+};
+__device__ inline CallWords LoadCallWords(const GroupView& g, const int32_t* axis_index) {
+  if (threadIdx.x != 0) return CallWords{};
+  return CallWords{__ldg(axis_index), Volatile(&g.signals->open), Volatile(&g.signals->abort)};
+}
+
 // Block-wide: whether this call may go on. Call at a kernel's start, by every block. A finish needs its own
 // start's call open; anything else needs no call open.
-__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index, Phase phase) {
+__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const CallWords& words, Phase phase) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
-    const int32_t axis = __ldg(axis_index);  // in flight together with the abort word's load
-    const uint64_t open = Volatile(&g.signals->open);
-    ok = !Aborted(g, call);
-    if (ok && axis != g.rank) {
-      Fail(g, call, kWrongRank, axis, 0);
+    ok = !Aborted(g, call, words.abort);
+    if (ok && words.axis != g.rank) {
+      Fail(g, call, kWrongRank, words.axis, 0);
       ok = 0;
     }
-    if (ok && open != (phase == Phase::kFinish ? call.tag : 0)) {
-      Fail(g, call, kSplitOpen, g.rank, open);
+    if (ok && words.open != (phase == Phase::kFinish ? call.tag : 0)) {
+      Fail(g, call, kSplitOpen, g.rank, words.open);
       ok = 0;
     }
   }
   __syncthreads();
   return ok;
+}
+__device__ inline bool CallMayRun(const GroupView& g, const Call& call, const int32_t* axis_index, Phase phase) {
+  return CallMayRun(g, call, LoadCallWords(g, axis_index), phase);
 }
 
 // What a block's writes must reach before it counts itself done in LastBlock: nothing (the last block reads
