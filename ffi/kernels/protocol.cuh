@@ -116,7 +116,7 @@ __device__ inline Phase PhaseOf(bool send, bool receive) {
 }
 
 // What a call check reads, loaded together by thread 0 before any of it is checked (ncu at T=128 on one H200:
-// the dispatch and combine kernels 0.5 us shorter than with the check loading the abort word as it went).
+// the dispatch and combine kernels 0.5 us shorter than when the check read them in turn).
 struct CallWords {
   int32_t axis;
   uint64_t open, abort;
