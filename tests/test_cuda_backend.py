@@ -113,6 +113,10 @@ CASES = [
     ("skewed", 200, 128, 4, 16, "ragged", 250, 8),
     ("skewed", 128, 7168, 8, 16, "expert", 100, 1),
     ("messy", 77, 1001, 16, 64, "ragged", None, 1),  # rows not a multiple of 16 bytes: the unaligned paths
+    # routings of at most 1024 slots with K a power of two: the one-block routing kernel
+    ("messy", 100, 256, 8, 64, "ragged", None, 1),
+    ("messy", 64, 512, 16, 256, "ragged", None, 2),
+    ("messy", 45, 512, 2, 8, "expert", 30, 1),
 ]
 
 

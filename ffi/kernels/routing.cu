@@ -18,6 +18,10 @@ constexpr int kRoutingWarps = 8;
 constexpr int kBatchesPerWarp = 8;
 constexpr int kRoutingSharedBytes = 96 * 1024;
 
+// A routing of at most this many slots, K a power of two up to 32 and its counts within kRoutingSharedBytes, is
+// one block of one slot per thread (RoutingKernelOneBlock).
+constexpr int kOneBlockSlots = kThreads;
+
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
   warps = std::clamp<int64_t>(kRoutingSharedBytes / (2 * std::max<int64_t>(num_experts, 1)), 1, kRoutingWarps);
   const int64_t most = std::max<int64_t>(1, warps * 32 * kBatchesPerWarp / std::max<int64_t>(topk, 1));
@@ -36,6 +40,16 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 }
 
 namespace {
+
+// Threads of RoutingKernelOneBlock for this routing, or 0 when it takes the chunked kernel.
+int OneBlockThreads(int64_t num_tokens, int64_t topk, int64_t num_experts, const RoutingScratch& s) {
+  const int64_t slots = num_tokens * topk;
+  const int64_t threads = std::max<int64_t>(32, (slots + 31) / 32 * 32);
+  const int64_t width = (threads / 32 + 7) / 8 * 8;
+  const bool fits = s.chunks == 1 && slots <= kOneBlockSlots && topk >= 1 && topk <= 32 && (topk & (topk - 1)) == 0 &&
+                    num_experts * width * 2 <= kRoutingSharedBytes;
+  return fits ? static_cast<int>(threads) : 0;
+}
 
 __device__ inline unsigned LanesBelow(int lane) { return (1u << lane) - 1; }
 
@@ -56,6 +70,18 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
     }
   }
   return running;
+}
+
+// The end of a routing that opens a split dispatch's call (one block, one chunk, a group of one GPU): once
+// every position is written, leaves the call open, or poisons the positions when the call may not run.
+__device__ inline void EndStart(const GroupView& g, const Call& call, bool may_run, const RoutingStart& start,
+                                int32_t* token_dest_pos, int32_t num_tokens) {
+  __syncthreads();
+  if (!may_run) Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * g.num_ranks * 4);
+  if (threadIdx.x == 0) {
+    *start.link = 0.0f;
+    if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+  }
 }
 
 // At least one block per SM: without it, ptxas held the kernel to 64 registers and spilled.
@@ -214,14 +240,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     }
   }
 
-  if (opens_call) {  // one block (one chunk): every position above is written
-    __syncthreads();
-    if (!may_run) Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * num_ranks * 4);
-    if (threadIdx.x == 0) {
-      *start.link = 0.0f;
-      if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
-    }
-  }
+  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, num_tokens);
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<Fence::kGpu>(&g.signals->routing_done)) return;
@@ -236,6 +255,111 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     for (int32_t c = 0; c < s.chunks; ++c) total += __ldcg(scratch + s.chunk_invalid + c);
     scratch[s.num_invalid] = total;
   }
+}
+
+
+// Exclusive prefix, in place, of a row of `width` uint16 counts (a multiple of 8, at most 32) in shared memory,
+// from 16-byte loads that go out together; returns the total.
+__device__ inline int32_t PrefixOfRow(uint16_t* row, int width) {
+  uint4* words = reinterpret_cast<uint4*>(row);
+  uint4 loaded[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (q * 8 < width) loaded[q] = words[q];
+  }
+  uint32_t running = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (q * 8 >= width) break;
+    uint32_t pairs[4] = {loaded[q].x, loaded[q].y, loaded[q].z, loaded[q].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t low = running;
+      running += pairs[j] & 0xffff;
+      const uint32_t high = running;
+      running += pairs[j] >> 16;
+      pairs[j] = low | (high << 16);
+    }
+    words[q] = uint4{pairs[0], pairs[1], pairs[2], pairs[3]};
+  }
+  return static_cast<int32_t>(running);
+}
+
+// A routing of one slot per thread (decode sizes, OneBlockThreads): one block, every slot ranked at once, and a
+// token's K slots in one warp (K a power of two), so that its ranks come from shuffles, not a second read.
+// Counts per (expert, warp) and (rank, warp) are uint16 rows of `width` (the warps rounded up to 8), whose
+// prefixes take 16-byte loads instead of a chain over the warps.
+__global__ void __launch_bounds__(kOneBlockSlots, 1)
+    RoutingKernelOneBlock(const int32_t* __restrict__ topk_idx, int32_t num_tokens, int topk, int32_t num_experts,
+                          Divisor local_experts, RoutingScratch s, GroupView g, int32_t* __restrict__ slot_dest,
+                          int32_t* __restrict__ token_dest_pos, RoutingStart start) {
+  extern __shared__ uint4 count_words[];
+  uint16_t* expert_seen = reinterpret_cast<uint16_t*>(count_words);  // [E][width]
+  __shared__ __align__(16) uint16_t rank_seen[kMaxRanks][32];        // [R][width]
+  __shared__ int32_t invalid_seen[kOneBlockSlots / 32];
+  const int num_ranks = g.num_ranks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int width = (static_cast<int>(blockDim.x / 32) + 7) / 8 * 8;
+  const int32_t num_slots = num_tokens * topk;
+  const int32_t slot = threadIdx.x;
+  const int32_t e = slot < num_slots ? __ldg(topk_idx + slot) : -1;
+  const bool opens_call = start.axis_index != nullptr;
+  const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
+  for (int32_t i = threadIdx.x; i < num_experts * width / 8; i += blockDim.x) count_words[i] = uint4{};
+  for (int32_t i = threadIdx.x; i < num_ranks * 4; i += blockDim.x) reinterpret_cast<uint4*>(rank_seen)[i] = uint4{};
+  bool may_run = true;
+  if (opens_call) {
+    may_run = CallMayRun(g, call, start.axis_index, Phase::kStart);  // its barrier also ends the zeroing
+  } else {
+    __syncthreads();
+  }
+
+  const bool valid = e >= 0 && e < num_experts;
+  const int invalid = __reduce_add_sync(0xffffffffu, slot < num_slots && !valid && e != -1);
+  if (lane == 0) invalid_seen[warp] = invalid;
+  const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+  const int before = __popc(same & LanesBelow(lane));
+  if (valid && before == 0) expert_seen[e * width + warp] = static_cast<uint16_t>(__popc(same));
+  const int32_t dest = valid ? local_experts.Divide(e) : -1;
+  uint64_t ranks = valid ? uint64_t{1} << dest : 0;  // the token's destination ranks, in every lane of it
+  for (int offset = 1; offset < topk; offset *= 2) ranks |= __shfl_xor_sync(0xffffffffu, ranks, offset);
+  const bool leader = lane % topk == 0 && slot < num_slots;  // lane k = 0 of a token
+  for (int d = 0; d < num_ranks; ++d) {
+    const unsigned senders = __ballot_sync(0xffffffffu, leader && ((ranks >> d) & 1));
+    if (lane == 0) rank_seen[d][warp] = static_cast<uint16_t>(__popc(senders));
+  }
+  __syncthreads();
+
+  int32_t* scratch = g.scratch;
+  for (int32_t i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) {
+    if (i < num_experts) {
+      scratch[s.expert_count + i] = PrefixOfRow(expert_seen + i * width, width);
+    } else {
+      scratch[s.rank_count + i - num_experts] = PrefixOfRow(rank_seen[i - num_experts], width);
+    }
+  }
+  if (threadIdx.x == 0) {
+    int32_t total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += invalid_seen[w];
+    scratch[s.num_invalid] = total;
+  }
+  __syncthreads();
+
+  if (slot < num_slots) {
+    scratch[s.slot_local + slot] = valid ? expert_seen[e * width + warp] + before : -1;
+    slot_dest[slot] = dest;
+  }
+  const int32_t t = slot / topk;
+  for (int d = 0; d < num_ranks; ++d) {
+    const bool sends = (ranks >> d) & 1;
+    const unsigned senders = __ballot_sync(0xffffffffu, leader && sends);
+    if (leader) {
+      const int32_t pos = sends ? rank_seen[d][warp] + __popc(senders & LanesBelow(lane)) : -1;
+      scratch[s.token_local + t * num_ranks + d] = pos;
+      token_dest_pos[t * num_ranks + d] = pos;
+    }
+  }
+  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, num_tokens);
 }
 
 }  // namespace
@@ -257,20 +381,29 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
     return Status::InvalidArgument("this dispatch's routing needs " + std::to_string(s.ints) +
                                    " ints of scratch, more than the kernel indexes; use fewer tokens per call");
   }
+  const int one_block = OneBlockThreads(num_tokens, topk, num_experts, s);
+  if (one_block > 0) {
+    const size_t shared = static_cast<size_t>(num_experts * ((one_block / 32 + 7) / 8 * 8)) * sizeof(uint16_t);
+    RoutingKernelOneBlock<<<1, static_cast<unsigned>(one_block), shared, stream>>>(
+        topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
+        Divisor(num_experts / group.num_ranks), s, group, slot_dest, token_dest_pos, start);
+    return LaunchStatus("RoutingKernelOneBlock");
+  }
   const size_t shared = static_cast<size_t>(s.warps * num_experts) * sizeof(uint16_t);
   RoutingKernel<<<static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.warps * 32), shared, stream>>>(
       topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
       Divisor(num_experts / group.num_ranks), s, group, slot_dest, token_dest_pos, start);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) return Status::Internal(std::string("launching RoutingKernel: ") + cudaGetErrorString(status));
-  return Status::Ok();
+  return LaunchStatus("RoutingKernel");
 }
 
 Status PrepareRoutingKernel() {
-  const cudaError_t status =
-      cudaFuncSetAttribute(RoutingKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRoutingSharedBytes);
-  if (status != cudaSuccess) {
-    return Status::Internal(std::string("cudaFuncSetAttribute(RoutingKernel): ") + cudaGetErrorString(status));
+  for (const auto& [kernel, name] : {std::pair{&RoutingKernel, "RoutingKernel"},
+                                     std::pair{&RoutingKernelOneBlock, "RoutingKernelOneBlock"}}) {
+    const cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRoutingSharedBytes);
+    if (status != cudaSuccess) {
+      return Status::Internal(std::string("cudaFuncSetAttribute(") + name + "): " + cudaGetErrorString(status));
+    }
   }
   return Status::Ok();
 }
