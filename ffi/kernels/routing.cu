@@ -3,6 +3,7 @@
 // Blocks take chunks of tokens; inside a chunk, warps take consecutive slots 32 at a time and rank them
 // with __match_any_sync against per-warp counters, so every value is the same on every run. The last block
 // turns the chunks' counts into prefixes; the dispatch kernel adds them (RoutingScratch).
+// Decode sizes (one slot per thread, K a power of two) take RoutingKernelOneBlock instead: the same values.
 #include <algorithm>
 
 #include "launch.h"
@@ -256,7 +257,6 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     scratch[s.num_invalid] = total;
   }
 }
-
 
 // Exclusive prefix, in place, of a row of `width` uint16 counts (a multiple of 8, at most 32) in shared memory,
 // from 16-byte loads that go out together; returns the total.
