@@ -42,11 +42,14 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 
 namespace {
 
+// RoutingKernelOneBlock's rows of uint16 counts: one per warp, padded to whole 16-byte words.
+__host__ __device__ inline int CountRowWidth(int warps) { return (warps + 7) / 8 * 8; }
+
 // Threads of RoutingKernelOneBlock for this routing, or 0 when it takes the chunked kernel.
 int OneBlockThreads(int64_t num_tokens, int64_t topk, int64_t num_experts, const RoutingScratch& s) {
   const int64_t slots = num_tokens * topk;
   const int64_t threads = std::max<int64_t>(32, (slots + 31) / 32 * 32);
-  const int64_t width = (threads / 32 + 7) / 8 * 8;
+  const int64_t width = CountRowWidth(static_cast<int>(threads / 32));
   const bool fits = s.chunks == 1 && slots <= kOneBlockSlots && topk >= 1 && topk <= 32 && (topk & (topk - 1)) == 0 &&
                     num_experts * width * 2 <= kRoutingSharedBytes;
   return fits ? static_cast<int>(threads) : 0;
@@ -299,7 +302,7 @@ __global__ void __launch_bounds__(kOneBlockSlots, 1)
   __shared__ int32_t invalid_seen[kOneBlockSlots / 32];
   const int num_ranks = g.num_ranks;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int width = (static_cast<int>(blockDim.x / 32) + 7) / 8 * 8;
+  const int width = CountRowWidth(blockDim.x / 32);
   const int32_t num_slots = num_tokens * topk;
   const int32_t slot = threadIdx.x;
   const int32_t e = slot < num_slots ? __ldg(topk_idx + slot) : -1;
@@ -383,7 +386,7 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   }
   const int one_block = OneBlockThreads(num_tokens, topk, num_experts, s);
   if (one_block > 0) {
-    const size_t shared = static_cast<size_t>(num_experts * ((one_block / 32 + 7) / 8 * 8)) * sizeof(uint16_t);
+    const size_t shared = static_cast<size_t>(num_experts * CountRowWidth(one_block / 32)) * sizeof(uint16_t);
     RoutingKernelOneBlock<<<1, static_cast<unsigned>(one_block), shared, stream>>>(
         topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
         Divisor(num_experts / group.num_ranks), s, group, slot_dest, token_dest_pos, start);
