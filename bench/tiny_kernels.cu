@@ -4,7 +4,9 @@
 // Results: bench/results/routing_one_block_stamps_9c1583c_h200x1.json (docs/performance.md).
 #include <cstdio>
 __global__ void Empty() {}
-__global__ void LoadStore(const int* in, int* out) { out[threadIdx.x + blockIdx.x * blockDim.x] = in[threadIdx.x + blockIdx.x * blockDim.x] + 1; }
+__global__ void LoadStore(const int* in, int* out) {
+  out[threadIdx.x + blockIdx.x * blockDim.x] = in[threadIdx.x + blockIdx.x * blockDim.x] + 1;
+}
 __global__ void Syncs(const int* in, int* out) {
   __shared__ int s[1024];
   int v = in[threadIdx.x];
@@ -14,7 +16,16 @@ __global__ void Syncs(const int* in, int* out) {
   v += s[(threadIdx.x + 7) % blockDim.x]; __syncthreads();
   out[threadIdx.x] = v;
 }
-__global__ void Atomic(unsigned* c, int* out) { __syncthreads(); if (threadIdx.x == 0) { unsigned o = atomicAdd(c, 1u); if (o == gridDim.x - 1) { *c = 0; out[0] = 1; } } }
+__global__ void Atomic(unsigned* c, int* out) {  // LastBlock's pattern
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned o = atomicAdd(c, 1u);
+    if (o == gridDim.x - 1) {
+      *c = 0;
+      out[0] = 1;
+    }
+  }
+}
 int main() {
   int *in, *out; unsigned* c;
   cudaMalloc(&in, 1 << 24); cudaMalloc(&out, 1 << 24); cudaMalloc(&c, 4);
