@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   float* weights = held_weights[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
+  const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   if (!may_run || !WaitPeers(g, call)) {
     Poison(p.out, T * H * static_cast<int64_t>(sizeof(Y)));
     Poison(p.slot_values, T * K * 4);
-    FinishCall(g, call);
+    FinishCall(g, call, arrival);
     return;
   }
 
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     }
     __syncwarp();
   }
-  FinishCall(g, call);
+  FinishCall(g, call, arrival);
 }
 
 template <typename Y, typename P>

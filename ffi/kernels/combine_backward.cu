@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
+  const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   if (!may_run || !WaitPeers(g, call)) {
     Poison(p.dy, p.num_rows * p.row_bytes);
     Poison(p.dweights, p.num_rows * 4);
-    FinishCall(g, call);
+    FinishCall(g, call, arrival);
     return;
   }
 
@@ -242,7 +243,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
       CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
     }
   }
-  FinishCall(g, call);
+  FinishCall(g, call, arrival);
 }
 
 // The smallest power of two at least `pieces`, at most kSumWarps: it divides kSumWarps, so a token's

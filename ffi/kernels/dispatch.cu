@@ -1,11 +1,12 @@
 // The dispatch kernel: each token goes once to every peer rank it is routed to (its row, its slots'
 // (local expert, rank, weight) and this rank's counts, stored into the peer's staging half), then, once every
 // peer's data has landed, each rank expands what it received, and its own tokens straight from x, into the
-// layout.
+// layout. A routing of one block (decode sizes) runs at the kernel's start; larger ones are a kernel before it.
 #include <algorithm>
 
 #include "launch.h"
 #include "protocol.cuh"
+#include "routing_one_block.cuh"
 #include "rows.cuh"
 
 namespace jax_ep {
@@ -37,8 +38,10 @@ struct DispatchParams {
       *recv_counts, *row_slot;
   float* sent;
   DispatchRegion region;
-  Divisor send_pieces, recv_pieces, ranks, peers, tokens, align;
+  Divisor send_pieces, recv_pieces, ranks, peers, tokens, align, experts_per_rank;
   bool do_send, do_receive;
+  bool route;             // this launch routes (RouteAndCheck)
+  int64_t scratch_words;  // 16-byte words of shared memory before the row tables: the routing's scratch
 };
 
 // Position of token t in this rank's send list to rank d, or -1.
@@ -275,8 +278,38 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   }
 }
 
+// A dispatch whose routing is one block runs it here, in every block, into the block's own copy of the routing
+// scratch (`scratch`, shared memory, laid out as RoutingScratch): the rest of the kernel reads that copy, so no
+// block waits for another or for a load from L2. Block 0 also writes slot_dest and token_dest_pos, and, when a
+// later launch of this call reads the routing (a start, or a send launch before an NCCL swap), the scratch in
+// global memory. Returns CallMayRun's answer; a call that may not run writes no outputs here (its blocks poison
+// them).
+__device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const Call& call, Phase phase,
+                              uint4* rows_memory, int32_t* scratch) {
+  const CountRows rows(kWarps);
+  const int32_t num_slots = static_cast<int32_t>(p.num_tokens * p.topk);
+  const int32_t e = static_cast<int32_t>(threadIdx.x) < num_slots ? __ldg(p.topk_idx + threadIdx.x) : -1;
+  const CallWords words = LoadCallWords(g, p.axis_index);
+  const int32_t E = static_cast<int32_t>(p.num_experts);
+  OneBlockZero(rows_memory, rows, E, g.num_ranks);
+  __syncthreads();
+  const OneBlockSlot slot =
+      OneBlockCount(rows_memory, rows, e, num_slots, static_cast<int>(p.topk), E, g.num_ranks, p.experts_per_rank);
+  const bool may_run = CallMayRun(g, call, words, phase);  // its barrier also ends the counting
+  const bool outputs = blockIdx.x == 0 && may_run;
+  OneBlockWrite(rows_memory, rows, slot, num_slots, static_cast<int>(p.topk), E, g.num_ranks, p.s, scratch,
+                outputs ? p.slot_dest : nullptr, outputs ? p.token_dest_pos : nullptr);
+  __syncthreads();
+  if (blockIdx.x == 0 && !p.do_receive) {
+    for (int64_t i = threadIdx.x; i < p.s.ints; i += blockDim.x) g.scratch[i] = scratch[i];
+  }
+  return may_run;
+}
+
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
-  extern __shared__ int32_t table_memory[];
+  // With the routing in the kernel (RouteAndCheck): its scratch, then its rows, where the row tables go after it.
+  extern __shared__ uint4 shared_words[];
+  int32_t* table_memory = reinterpret_cast<int32_t*>(shared_words + p.scratch_words);
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
@@ -286,14 +319,21 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
-  const int32_t* scratch = g.scratch;
+  int32_t* own_scratch = reinterpret_cast<int32_t*>(shared_words);
+  const int32_t* scratch = p.route ? own_scratch : g.scratch;
   int32_t* held = held_rows[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
-  const bool may_run = CallMayRun(g, call, p.axis_index, phase);
+  const bool may_run =
+      p.route ? RouteAndCheck(p, g, call, phase, shared_words + p.scratch_words, own_scratch)
+              : CallMayRun(g, call, p.axis_index, phase);
+  const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
-    if (!may_run && phase == Phase::kStart) Poison(p.token_dest_pos, T * R * 4);
+    if (!may_run && phase == Phase::kStart) {
+      Poison(p.token_dest_pos, T * R * 4);
+      Poison(p.slot_dest, T * K * 4);
+    }
     if (may_run) {
       const int64_t first_thread = first_warp * 32 + lane;
       for (int64_t i = first_thread; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
@@ -329,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   NoteSwapDone(g, call);
   if (!may_run || !WaitPeers(g, call)) {
     PoisonOutputs(p, R);
-    FinishCall(g, call);
+    FinishCall(g, call, arrival);
     return;
   }
 
@@ -361,7 +401,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
       Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
     }
   }
-  FinishCall(g, call);
+  FinishCall(g, call, arrival);
 }
 
 // The dispatch's checks and plan: its regions fit a staging half, each phase's pieces per row, and its warp
@@ -409,6 +449,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.local_experts = c.num_experts / R;
   p.capacity = c.capacity;
   p.align = Divisor(c.alignment);
+  p.experts_per_rank = Divisor(p.local_experts);
   p.expert_layout = c.expert_layout;
   p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
   p.out_x = c.out_x;
@@ -424,24 +465,37 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.row_slot = c.row_slot;
   p.sent = c.sent;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
-  const size_t shared = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
-  if (shared > static_cast<size_t>(kTableSharedBytes)) {
-    return Status::InvalidArgument("the receivers' row tables need " + std::to_string(shared) +
+  const size_t tables = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
+  if (tables > static_cast<size_t>(kTableSharedBytes)) {
+    return Status::InvalidArgument("the receivers' row tables need " + std::to_string(tables) +
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
   }
   int64_t send_items, recv_items;
   Status status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
+  bool route = false;  // the dispatch kernel's send launch routes
   if (phase != Phase::kFinish) {
     const bool start_only = phase == Phase::kStart && R == 1 && p.s.chunks == 1;  // nothing to send
-    const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
-    status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos, start,
-                           stream);
-    if (!status.ok() || start_only) return status;
+    const int64_t scratch_words = (p.s.ints + 3) / 4, after_scratch = kTableSharedBytes - scratch_words * 16;
+    route = !start_only && static_cast<int64_t>(tables) <= after_scratch &&
+            OneBlockFits(c.num_tokens, c.topk, c.num_experts, R, p.s, kThreads, after_scratch);
+    if (route) {
+      p.scratch_words = scratch_words;
+      status = CheckRouting(c.num_tokens, c.topk, c.num_experts, g);
+      if (!status.ok()) return status;
+    } else {
+      const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
+      status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos,
+                             start, stream);
+      if (!status.ok() || start_only) return status;
+    }
   }
+  const size_t rows = route ? static_cast<size_t>(CountRows(kWarps).Bytes(c.num_experts, R)) : 0;
+  const size_t shared = static_cast<size_t>(p.scratch_words * 16) + std::max(tables, rows);
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
+    p.route = route && send;
     DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
   };

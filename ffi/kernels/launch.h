@@ -46,7 +46,7 @@ struct Signals {
   uint64_t calls;               // calls of the group completed on this GPU
   uint64_t open;                // tag of the call whose start ran and whose finish has not, else 0
   uint32_t send_done;           // last-block detection of a kernel's send phase
-  uint32_t kernel_done;         // ... of a whole transfer kernel
+  uint32_t kernel_done;         // blocks of a call's last launch that have checked the call (ArriveCall)
   uint32_t routing_done;        // ... of the routing kernel
 };
 
@@ -224,8 +224,11 @@ struct RoutingStart {
   float* link = nullptr;
 };
 
-// The dispatch's first kernel (routing.cu): slot_dest, the routing scratch and, when the routing is one chunk,
-// token_dest_pos.
+// The routing scratch this dispatch needs fits the group's (routing.cu).
+Status CheckRouting(int64_t num_tokens, int64_t topk, int64_t num_experts, const GroupView& group);
+
+// The dispatch's first kernel (routing.cu), unless the dispatch kernel routes: slot_dest, the routing scratch and,
+// when the routing is one chunk, token_dest_pos.
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
                      const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, RoutingStart start,
                      cudaStream_t stream);

@@ -2,7 +2,7 @@
 //   send:    stores into each peer's staging half (call parity), then the last block raises this rank's flag
 //            flag[parity][me] = tag on every peer, tag = (call number << 8 | op);
 //   receive: every block waits until each peer's flag equals the tag exactly, reads its own staging half,
-//            and the last block counts the call done.
+//            and the last block to check the call counts it done.
 // The two phases are one launch, or two (ranks reached through NCCL, whose swap goes in between, and the split
 // ops: a start leaves its call open in Signals::open until its finish; any other call meanwhile gives up).
 // A call writes the half of its parity, which every peer last read two calls ago: a peer's flag for this
@@ -242,10 +242,18 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
   return failed == 0;
 }
 
-// Every block ends a call here; the last one counts it done on this GPU and closes it. Only this GPU's later
-// kernels read the count and the open word, so no block fences.
-__device__ inline void FinishCall(const GroupView& g, const Call& call) {
-  if (LastBlock<Fence::kNone>(&g.signals->kernel_done) && threadIdx.x == 0) {
+// Every block of a launch that ends a call, after CallMayRun, whose barrier comes after its threads read the call's
+// number and the open word: counts the block in. Thread 0 keeps the block's place for FinishCall.
+__device__ inline uint32_t ArriveCall(const GroupView& g) {
+  return threadIdx.x == 0 ? atomicAdd(&g.signals->kernel_done, 1u) : 0;
+}
+
+// Every block ends a call here. The last block to arrive (ArriveCall) counts the call done on this GPU and
+// closes it: every block has read both words by then, and only this GPU's later kernels read them again, so
+// nothing waits for the other blocks' ends, and nothing fences.
+__device__ inline void FinishCall(const GroupView& g, const Call& call, uint32_t arrival) {
+  if (threadIdx.x == 0 && arrival == gridDim.x - 1) {
+    g.signals->kernel_done = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
   }

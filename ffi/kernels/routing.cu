@@ -3,11 +3,13 @@
 // Blocks take chunks of tokens; inside a chunk, warps take consecutive slots 32 at a time and rank them
 // with __match_any_sync against per-warp counters, so every value is the same on every run. The last block
 // turns the chunks' counts into prefixes; the dispatch kernel adds them (RoutingScratch).
-// Decode sizes (one slot per thread, K a power of two) take RoutingKernelOneBlock instead: the same values.
+// Decode sizes (one slot per thread, K a power of two) take RoutingKernelOneBlock instead (routing_one_block.cuh),
+// or run that routing inside the dispatch kernel: the same values.
 #include <algorithm>
 
 #include "launch.h"
 #include "protocol.cuh"
+#include "routing_one_block.cuh"
 #include "rows.cuh"
 
 namespace jax_ep {
@@ -18,10 +20,6 @@ namespace jax_ep {
 constexpr int kRoutingWarps = 8;
 constexpr int kBatchesPerWarp = 8;
 constexpr int kRoutingSharedBytes = 96 * 1024;
-
-// A routing of at most this many slots, K a power of two up to 32 and its counts within kRoutingSharedBytes, is
-// one block of one slot per thread (RoutingKernelOneBlock).
-constexpr int kOneBlockSlots = kThreads;
 
 RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks) {
   warps = std::clamp<int64_t>(kRoutingSharedBytes / (2 * std::max<int64_t>(num_experts, 1)), 1, kRoutingWarps);
@@ -41,21 +39,6 @@ RoutingScratch::RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_exp
 }
 
 namespace {
-
-// RoutingKernelOneBlock's rows of uint16 counts: one per warp, padded to whole 16-byte words.
-__host__ __device__ inline int CountRowWidth(int warps) { return (warps + 7) / 8 * 8; }
-
-// Threads of RoutingKernelOneBlock for this routing, or 0 when it takes the chunked kernel.
-int OneBlockThreads(int64_t num_tokens, int64_t topk, int64_t num_experts, const RoutingScratch& s) {
-  const int64_t slots = num_tokens * topk;
-  const int64_t threads = std::max<int64_t>(32, (slots + 31) / 32 * 32);
-  const int64_t width = CountRowWidth(static_cast<int>(threads / 32));
-  const bool fits = s.chunks == 1 && slots <= kOneBlockSlots && topk >= 1 && topk <= 32 && (topk & (topk - 1)) == 0 &&
-                    num_experts * width * 2 <= kRoutingSharedBytes;
-  return fits ? static_cast<int>(threads) : 0;
-}
-
-__device__ inline unsigned LanesBelow(int lane) { return (1u << lane) - 1; }
 
 // Exclusive prefix, in place, of the `count` values at values[c * stride]; returns their total. Eight loads go
 // out at once (from L2: other blocks wrote them), since the last block's pass waits on memory, not arithmetic.
@@ -261,111 +244,47 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
   }
 }
 
-// Exclusive prefix, in place, of a row of `width` uint16 counts (a multiple of 8, at most 32) in shared memory,
-// from 16-byte loads that go out together; returns the total.
-__device__ inline int32_t PrefixOfRow(uint16_t* row, int width) {
-  uint4* words = reinterpret_cast<uint4*>(row);
-  uint4 loaded[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if (q * 8 < width) loaded[q] = words[q];
-  }
-  uint32_t running = 0;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if (q * 8 >= width) break;
-    uint32_t pairs[4] = {loaded[q].x, loaded[q].y, loaded[q].z, loaded[q].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t low = running;
-      running += pairs[j] & 0xffff;
-      const uint32_t high = running;
-      running += pairs[j] >> 16;
-      pairs[j] = low | (high << 16);
-    }
-    words[q] = uint4{pairs[0], pairs[1], pairs[2], pairs[3]};
-  }
-  return static_cast<int32_t>(running);
-}
-
-// A routing of one slot per thread (decode sizes, OneBlockThreads): one block, every slot ranked at once, and a
-// token's K slots in one warp (K a power of two), so that its ranks come from shuffles, not a second read.
-// Counts per (expert, warp) and (rank, warp) are uint16 rows of `width` (the warps rounded up to 8), whose
-// prefixes take 16-byte loads instead of a chain over the warps.
-__global__ void __launch_bounds__(kOneBlockSlots, 1)
+// A routing of one slot per thread (decode sizes; routing_one_block.cuh).
+__global__ void __launch_bounds__(kThreads, 1)
     RoutingKernelOneBlock(const int32_t* __restrict__ topk_idx, int32_t num_tokens, int topk, int32_t num_experts,
                           Divisor local_experts, RoutingScratch s, GroupView g, int32_t* __restrict__ slot_dest,
                           int32_t* __restrict__ token_dest_pos, RoutingStart start) {
-  extern __shared__ uint4 count_words[];
-  uint16_t* expert_seen = reinterpret_cast<uint16_t*>(count_words);  // [E][width]
-  __shared__ __align__(16) uint16_t rank_seen[kMaxRanks][32];        // [R][width]
-  __shared__ int32_t invalid_seen[kOneBlockSlots / 32];
-  const int num_ranks = g.num_ranks;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int width = CountRowWidth(blockDim.x / 32);
+  extern __shared__ uint4 count_rows[];
+  const CountRows rows(blockDim.x / 32);
   const int32_t num_slots = num_tokens * topk;
-  const int32_t slot = threadIdx.x;
-  const int32_t e = slot < num_slots ? __ldg(topk_idx + slot) : -1;
+  const int32_t e = static_cast<int32_t>(threadIdx.x) < num_slots ? __ldg(topk_idx + threadIdx.x) : -1;
   const bool opens_call = start.axis_index != nullptr;
   const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
-  for (int32_t i = threadIdx.x; i < num_experts * width / 8; i += blockDim.x) count_words[i] = uint4{};
-  for (int32_t i = threadIdx.x; i < num_ranks * 4; i += blockDim.x) reinterpret_cast<uint4*>(rank_seen)[i] = uint4{};
+  OneBlockZero(count_rows, rows, num_experts, g.num_ranks);
   bool may_run = true;
   if (opens_call) {
     may_run = CallMayRun(g, call, start.axis_index, Phase::kStart);  // its barrier also ends the zeroing
   } else {
     __syncthreads();
   }
-
-  const bool valid = e >= 0 && e < num_experts;
-  const int invalid = __reduce_add_sync(0xffffffffu, slot < num_slots && !valid && e != -1);
-  if (lane == 0) invalid_seen[warp] = invalid;
-  const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
-  const int before = __popc(same & LanesBelow(lane));
-  if (valid && before == 0) expert_seen[e * width + warp] = static_cast<uint16_t>(__popc(same));
-  const int32_t dest = valid ? local_experts.Divide(e) : -1;
-  uint64_t ranks = valid ? uint64_t{1} << dest : 0;  // the token's destination ranks, in every lane of it
-  for (int offset = 1; offset < topk; offset *= 2) ranks |= __shfl_xor_sync(0xffffffffu, ranks, offset);
-  const bool leader = lane % topk == 0 && slot < num_slots;  // lane k = 0 of a token
-  for (int d = 0; d < num_ranks; ++d) {
-    const unsigned senders = __ballot_sync(0xffffffffu, leader && ((ranks >> d) & 1));
-    if (lane == 0) rank_seen[d][warp] = static_cast<uint16_t>(__popc(senders));
-  }
+  const OneBlockSlot slot = OneBlockCount(count_rows, rows, e, num_slots, topk, num_experts, g.num_ranks, local_experts);
   __syncthreads();
-
-  int32_t* scratch = g.scratch;
-  for (int32_t i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) {
-    if (i < num_experts) {
-      scratch[s.expert_count + i] = PrefixOfRow(expert_seen + i * width, width);
-    } else {
-      scratch[s.rank_count + i - num_experts] = PrefixOfRow(rank_seen[i - num_experts], width);
-    }
-  }
-  if (threadIdx.x == 0) {
-    int32_t total = 0;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += invalid_seen[w];
-    scratch[s.num_invalid] = total;
-  }
-  __syncthreads();
-
-  if (slot < num_slots) {
-    scratch[s.slot_local + slot] = valid ? expert_seen[e * width + warp] + before : -1;
-    slot_dest[slot] = dest;
-  }
-  const int32_t t = slot / topk;
-  for (int d = 0; d < num_ranks; ++d) {
-    const bool sends = (ranks >> d) & 1;
-    const unsigned senders = __ballot_sync(0xffffffffu, leader && sends);
-    if (leader) {
-      const int32_t pos = sends ? rank_seen[d][warp] + __popc(senders & LanesBelow(lane)) : -1;
-      scratch[s.token_local + t * num_ranks + d] = pos;
-      token_dest_pos[t * num_ranks + d] = pos;
-    }
-  }
+  OneBlockWrite(count_rows, rows, slot, num_slots, topk, num_experts, g.num_ranks, s, g.scratch, slot_dest,
+                token_dest_pos);
   if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, num_tokens);
 }
 
 }  // namespace
+
+Status CheckRouting(int64_t num_tokens, int64_t topk, int64_t num_experts, const GroupView& group) {
+  const RoutingScratch s(num_tokens, topk, num_experts, group.num_ranks);
+  if (s.ints > group.scratch_ints) {
+    return Status::Error(StatusCode::kResourceExhausted,
+                         "this dispatch needs " + std::to_string(s.ints) + " ints of routing scratch, but "
+                         "jax_ep.initialize reserved " + std::to_string(group.scratch_ints) +
+                         "; initialize with the largest num_tokens, topk and num_experts you dispatch");
+  }
+  if (s.ints > INT32_MAX) {  // the kernels index the scratch, topk_idx and slot_dest in 32 bits
+    return Status::InvalidArgument("this dispatch's routing needs " + std::to_string(s.ints) +
+                                   " ints of scratch, more than the kernel indexes; use fewer tokens per call");
+  }
+  return Status::Ok();
+}
 
 Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, int64_t num_experts,
                      const GroupView& group, int32_t* slot_dest, int32_t* token_dest_pos, RoutingStart start,
@@ -374,19 +293,11 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   if (start.axis_index != nullptr && (s.chunks != 1 || group.num_ranks != 1)) {
     return Status::Internal("only a routing of one chunk in a group of one GPU can open a split dispatch's call");
   }
-  if (s.ints > group.scratch_ints) {
-    return Status::Error(StatusCode::kResourceExhausted,
-                         "this dispatch needs " + std::to_string(s.ints) + " ints of routing scratch, but "
-                         "jax_ep.initialize reserved " + std::to_string(group.scratch_ints) +
-                         "; initialize with the largest num_tokens, topk and num_experts you dispatch");
-  }
-  if (s.ints > INT32_MAX) {  // the kernel indexes the scratch, topk_idx and slot_dest in 32 bits
-    return Status::InvalidArgument("this dispatch's routing needs " + std::to_string(s.ints) +
-                                   " ints of scratch, more than the kernel indexes; use fewer tokens per call");
-  }
-  const int one_block = OneBlockThreads(num_tokens, topk, num_experts, s);
-  if (one_block > 0) {
-    const size_t shared = static_cast<size_t>(num_experts * CountRowWidth(one_block / 32)) * sizeof(uint16_t);
+  const Status checked = CheckRouting(num_tokens, topk, num_experts, group);
+  if (!checked.ok()) return checked;
+  const int one_block = OneBlockThreads(num_tokens, topk);
+  if (OneBlockFits(num_tokens, topk, num_experts, group.num_ranks, s, one_block, kRoutingSharedBytes)) {
+    const size_t shared = static_cast<size_t>(CountRows(one_block / 32).Bytes(num_experts, group.num_ranks));
     RoutingKernelOneBlock<<<1, static_cast<unsigned>(one_block), shared, stream>>>(
         topk_idx, static_cast<int32_t>(num_tokens), static_cast<int>(topk), static_cast<int32_t>(num_experts),
         Divisor(num_experts / group.num_ranks), s, group, slot_dest, token_dest_pos, start);
