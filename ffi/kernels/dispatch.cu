@@ -40,7 +40,6 @@ struct DispatchParams {
   DispatchRegion region;
   Divisor send_pieces, recv_pieces, ranks, peers, tokens, align, experts_per_rank;
   bool do_send, do_receive;
-  bool route;             // this launch routes (RouteAndCheck)
   int64_t scratch_words;  // 16-byte words of shared memory before the row tables: the routing's scratch
 };
 
@@ -135,47 +134,42 @@ __device__ inline int32_t BlockExclusiveSum(int32_t value) {
   return inclusive - value + (warp > 0 ? warp_totals[warp - 1] : 0);
 }
 
+// Three barriers: the totals and their padded prefix (BlockExclusiveSum's two), then the offsets.
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
   const int R = g.num_ranks, me = g.rank;
-  const int64_t L = p.local_experts;
-  auto counts_from = [&](int r) -> const int32_t* {
-    return reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
+  const int32_t L = static_cast<int32_t>(p.local_experts);
+  auto count_of = [&](int r, int32_t l) -> int32_t {
+    if (r == me) return l < L ? scratch[p.s.expert_count + me * L + l] : scratch[p.s.rank_count + me];
+    const int32_t* counts = reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
+    return StagedCount(counts + l, l < L ? p.num_tokens * p.topk : p.num_tokens);  // [L]: tokens from r
   };
-  for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+  for (int r = threadIdx.x; r < R; r += blockDim.x) t.recv_count[r] = count_of(r, L);
+  // Each thread a run of consecutive experts (one while L <= kThreads): start[r * L + l] within l's segment and
+  // total[l], then, once the segments' starts are known, start[] moved to them.
+  const int32_t per_thread = (L + kThreads - 1) / kThreads;
+  const int32_t first = threadIdx.x * per_thread, last = std::min<int32_t>(L, first + per_thread);
+  int32_t mine = 0;
+  for (int32_t l = first; l < last; ++l) {
     int32_t running = 0;
     for (int r = 0; r < R; ++r) {
-      const int32_t count = r == me ? scratch[p.s.expert_count + me * L + l]
-                                    : StagedCount(counts_from(r) + l, p.num_tokens * p.topk);
       t.start[r * L + l] = running;
-      running += count;
+      running += count_of(r, l);
     }
     t.total[l] = running;
+    mine += Padded(running, p.align);
   }
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
-    t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : StagedCount(counts_from(r) + L, p.num_tokens);
-  }
-  __syncthreads();
   if (p.expert_layout) {
     if (threadIdx.x == 0) *t.data_end = static_cast<int32_t>(p.num_rows);
     __syncthreads();
     return;
   }
-  // Segment starts: exclusive prefix of the padded totals; each thread scans a run of consecutive experts.
-  const int32_t per_thread = static_cast<int32_t>((L + kThreads - 1) / kThreads);
-  const int32_t first = threadIdx.x * per_thread, last = std::min<int32_t>(static_cast<int32_t>(L), first + per_thread);
-  int32_t mine = 0;
-  for (int32_t l = first; l < last; ++l) mine += Padded(t.total[l], p.align);
   int32_t before = BlockExclusiveSum(mine);
   for (int32_t l = first; l < last; ++l) {
     t.seg_start[l] = before;
+    for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
     before += Padded(t.total[l], p.align);
-  }
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < R * L; i += blockDim.x) t.start[i] += t.seg_start[i % static_cast<int32_t>(L)];
-  if (threadIdx.x == 0) {
-    const int32_t end = t.seg_start[L - 1] + Padded(t.total[L - 1], p.align);
-    *t.data_end = static_cast<int32_t>(std::min<int64_t>(end, p.capacity));
+    if (l == L - 1) *t.data_end = static_cast<int32_t>(std::min<int64_t>(before, p.capacity));
   }
   __syncthreads();
 }
@@ -219,6 +213,15 @@ template <bool kStaged, typename SlotOf>
 __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int64_t i, SlotOf slot, const char* src,
                        int piece, int32_t* held, int lane) {
   const int64_t T = p.num_tokens, K = p.topk, L = p.local_experts;
+  int64_t begin, end;
+  PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
+  const char* from = src + begin;
+  char* to = p.out_x + begin;
+  // A piece of at most one 16-byte word per lane (decode sizes) is loaded before the slots, so that its load and
+  // theirs overlap; not when i < 0, a token of this rank's that has no slot here.
+  const bool one_word = i >= 0 && end - begin <= 32 * 16 && Aligned16(from, to, p.row_bytes, end - begin);
+  const bool has_word = one_word && lane * 16 < end - begin;
+  const uint4 word = has_word ? Load16<kStaged>(reinterpret_cast<const uint4*>(from) + lane) : uint4{};
   int count = 0;
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k = k0 + lane;
@@ -243,9 +246,11 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
     count += __popc(rows);
   }
   __syncwarp();
-  int64_t begin, end;
-  PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
-  CopyToRows<kStaged>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
+  if (!one_word) {
+    CopyToRows<kStaged>(from, held, count, to, p.row_bytes, end - begin, lane);
+  } else if (has_word) {
+    for (int j = 0; j < count; ++j) reinterpret_cast<uint4*>(to + held[j] * p.row_bytes)[lane] = word;
+  }
   __syncwarp();
 }
 
@@ -306,6 +311,9 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   return may_run;
 }
 
+// kRoute: this launch routes (RouteAndCheck); a separate instance, so that launches that do not route carry none
+// of its code.
+template <bool kRoute>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   // With the routing in the kernel (RouteAndCheck): its scratch, then its rows, where the row tables go after it.
   extern __shared__ uint4 shared_words[];
@@ -320,12 +328,12 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
   int32_t* own_scratch = reinterpret_cast<int32_t*>(shared_words);
-  const int32_t* scratch = p.route ? own_scratch : g.scratch;
+  const int32_t* scratch = kRoute ? own_scratch : g.scratch;
   int32_t* held = held_rows[warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run =
-      p.route ? RouteAndCheck(p, g, call, phase, shared_words + p.scratch_words, own_scratch)
-              : CallMayRun(g, call, p.axis_index, phase);
+      kRoute ? RouteAndCheck(p, g, call, phase, shared_words + p.scratch_words, own_scratch)
+             : CallMayRun(g, call, p.axis_index, phase);
   const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
 
   if (p.do_send) {
@@ -495,8 +503,8 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    p.route = route && send;
-    DispatchKernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
+    const auto kernel = route && send ? DispatchKernel<true> : DispatchKernel<false>;
+    kernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
   };
   return RunTransfer(g, swap, p.region.bytes, send_items, recv_items, phase, launch);
@@ -505,10 +513,12 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
 Status PrepareKernels() {
   Status status = PrepareRoutingKernel();
   if (!status.ok()) return status;
-  const cudaError_t error =
-      cudaFuncSetAttribute(DispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
-  if (error != cudaSuccess) {
-    return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
+  for (const auto kernel : {DispatchKernel<false>, DispatchKernel<true>}) {
+    const cudaError_t error =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
+    if (error != cudaSuccess) {
+      return Status::Internal(std::string("cudaFuncSetAttribute(DispatchKernel): ") + cudaGetErrorString(error));
+    }
   }
   return Status::Ok();
 }
