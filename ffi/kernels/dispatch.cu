@@ -110,8 +110,8 @@ __device__ inline int32_t Padded(int32_t total, const Divisor& alignment) {
   return alignment.Divide(total + alignment.value - 1) * alignment.value;
 }
 
-// Block-wide exclusive prefix sum of one value per thread (blocks of whole warps, at most kThreads). Once per
-// kernel: its shared totals are not reused.
+// Block-wide exclusive prefix sum of one value per thread (blocks of whole warps, at most kThreads), with one
+// barrier: every warp scans the warps' totals itself. Once per kernel: its shared totals are not reused.
 __device__ inline int32_t BlockExclusiveSum(int32_t value) {
   __shared__ int32_t warp_totals[kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -122,19 +122,12 @@ __device__ inline int32_t BlockExclusiveSum(int32_t value) {
   }
   if (lane == 31) warp_totals[warp] = inclusive;
   __syncthreads();
-  if (warp == 0) {
-    int32_t total = lane < static_cast<int>(blockDim.x / 32) ? warp_totals[lane] : 0;
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int32_t other = __shfl_up_sync(0xffffffffu, total, offset);
-      if (lane >= offset) total += other;
-    }
-    warp_totals[lane] = total;  // inclusive over the warps
-  }
-  __syncthreads();
-  return inclusive - value + (warp > 0 ? warp_totals[warp - 1] : 0);
+  int32_t totals = lane < warp ? warp_totals[lane] : 0;  // the warps before this one
+  for (int offset = 16; offset > 0; offset /= 2) totals += __shfl_xor_sync(0xffffffffu, totals, offset);
+  return inclusive - value + totals;
 }
 
-// Three barriers: the totals and their padded prefix (BlockExclusiveSum's two), then the offsets.
+// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables.
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
   const int R = g.num_ranks, me = g.rank;
@@ -174,14 +167,12 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   __syncthreads();
 }
 
-// Block 0: group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
-__device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const int32_t* scratch, const Tables& t) {
-  __shared__ int32_t dropped;
-  if (threadIdx.x == 0) dropped = 0;
-  __syncthreads();
+// Warp 0 of block 0: group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
+__device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const int32_t* scratch, const Tables& t,
+                            int lane) {
   const int64_t C = p.capacity;
-  int32_t mine = 0;
-  for (int64_t l = threadIdx.x; l < p.local_experts; l += blockDim.x) {
+  int32_t dropped = 0;
+  for (int64_t l = lane; l < p.local_experts; l += 32) {
     const int32_t total = t.total[l];
     int32_t size, kept;
     if (p.expert_layout) {
@@ -192,15 +183,14 @@ __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const i
       kept = static_cast<int32_t>(std::clamp<int64_t>(C - seg, 0, total));
     }
     p.group_sizes[l] = size;
-    mine += total - kept;
+    dropped += total - kept;
   }
-  atomicAdd(&dropped, mine);
-  for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x) {
+  for (int r = lane; r < g.num_ranks; r += 32) {
     p.recv_counts[r] = t.recv_count[r];
     p.send_counts[r] = scratch[p.s.rank_count + r];
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  dropped = __reduce_add_sync(0xffffffffu, dropped);
+  if (lane == 0) {
     *p.num_dropped = dropped;
     *p.num_invalid = scratch[p.s.num_invalid];
   }
@@ -213,15 +203,6 @@ template <bool kStaged, typename SlotOf>
 __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int64_t i, SlotOf slot, const char* src,
                        int piece, int32_t* held, int lane) {
   const int64_t T = p.num_tokens, K = p.topk, L = p.local_experts;
-  int64_t begin, end;
-  PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
-  const char* from = src + begin;
-  char* to = p.out_x + begin;
-  // A piece of at most one 16-byte word per lane (decode sizes) is loaded before the slots, so that its load and
-  // theirs overlap; not when i < 0, a token of this rank's that has no slot here.
-  const bool one_word = i >= 0 && end - begin <= 32 * 16 && Aligned16(from, to, p.row_bytes, end - begin);
-  const bool has_word = one_word && lane * 16 < end - begin;
-  const uint4 word = has_word ? Load16<kStaged>(reinterpret_cast<const uint4*>(from) + lane) : uint4{};
   int count = 0;
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k = k0 + lane;
@@ -246,11 +227,9 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
     count += __popc(rows);
   }
   __syncwarp();
-  if (!one_word) {
-    CopyToRows<kStaged>(from, held, count, to, p.row_bytes, end - begin, lane);
-  } else if (has_word) {
-    for (int j = 0; j < count; ++j) reinterpret_cast<uint4*>(to + held[j] * p.row_bytes)[lane] = word;
-  }
+  int64_t begin, end;
+  PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
+  CopyToRows<kStaged>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
   __syncwarp();
 }
 
@@ -304,7 +283,9 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   const bool outputs = blockIdx.x == 0 && may_run;
   OneBlockWrite(rows_memory, rows, slot, num_slots, static_cast<int>(p.topk), E, g.num_ranks, p.s, scratch,
                 outputs ? p.slot_dest : nullptr, outputs ? p.token_dest_pos : nullptr);
-  __syncthreads();
+  // Only a send phase with peers, and the copy below, read other threads' slot and token entries before the row
+  // tables' barriers.
+  if (g.num_ranks > 1 || !p.do_receive) __syncthreads();
   if (blockIdx.x == 0 && !p.do_receive) {
     for (int64_t i = threadIdx.x; i < p.s.ints; i += blockDim.x) g.scratch[i] = scratch[i];
   }
@@ -384,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t L = p.local_experts;
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
-  if (blockIdx.x == 0) WriteCounts(p, g, scratch, tables);
+  if (blockIdx.x == 0 && warp == 0) WriteCounts(p, g, scratch, tables, lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
   for (int64_t item = first_warp; item < token_items + (p.num_rows + 31) / 32; item += warps) {
     if (item >= token_items) {
