@@ -351,7 +351,7 @@ def _fails_with_a_split_op_open(mesh, transport, inputs):
 @pytest.mark.parametrize("tokens", [64, 512], ids=["one_chunk", "two_chunks"])
 def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, transport, tokens):
     """Two dispatch_starts in a row: the first writes real positions and link 0 and stays open, the second
-    fails (its positions all -1) and the group says a split op was open. One chunk of routing in a group of one
+    fails (its positions and slot ranks all -1) and the group says a split op was open. One chunk of routing in a group of one
     GPU is the start whose routing kernel checks and opens the call itself; two chunks go through the send
     kernel."""
     import jax_ep
@@ -367,12 +367,14 @@ def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, tra
         )
     )
     with _fails_with_a_split_op_open(mesh, transport, (x, idx, w)):
-        first_pos, _, first_link = (np.asarray(a) for a in start(x, idx, w))
-        second_pos, _, _ = (np.asarray(a) for a in start(x, idx, w))
+        first_pos, first_slots, first_link = (np.asarray(a) for a in start(x, idx, w))
+        second_pos, second_slots, _ = (np.asarray(a) for a in start(x, idx, w))
         assert first_pos.shape == (tokens * ranks, ranks)
         assert first_pos.max() >= 0 and np.all(first_pos >= -1)
+        assert first_slots.max() >= 0 and np.all(first_slots >= -1)
         np.testing.assert_array_equal(first_link, np.zeros(ranks, np.float32))
         np.testing.assert_array_equal(second_pos, np.full_like(second_pos, -1))
+        np.testing.assert_array_equal(second_slots, np.full_like(second_slots, -1))
 
 
 def test_the_schedule_puts_pinned_compute_between_the_halves(mesh):

@@ -60,11 +60,15 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
 }
 
 // The end of a routing that opens a split dispatch's call (one block, one chunk, a group of one GPU): once
-// every position is written, leaves the call open, or poisons the positions when the call may not run.
+// every position is written, leaves the call open, or poisons the start's outputs (positions and slot ranks)
+// when the call may not run.
 __device__ inline void EndStart(const GroupView& g, const Call& call, bool may_run, const RoutingStart& start,
-                                int32_t* token_dest_pos, int32_t num_tokens) {
+                                int32_t* token_dest_pos, int32_t* slot_dest, int32_t num_tokens, int topk) {
   __syncthreads();
-  if (!may_run) Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * g.num_ranks * 4);
+  if (!may_run) {
+    Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * g.num_ranks * 4);
+    Poison(slot_dest, static_cast<int64_t>(num_tokens) * topk * 4);
+  }
   if (threadIdx.x == 0) {
     *start.link = 0.0f;
     if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
     }
   }
 
-  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, num_tokens);
+  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, slot_dest, num_tokens, topk);
 
   // The last block: prefixes over the chunks, and the totals.
   if (s.chunks == 1 || !LastBlock<Fence::kGpu>(&g.signals->routing_done)) return;
@@ -266,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   OneBlockWrite(count_rows, rows, slot, num_slots, topk, num_experts, g.num_ranks, s, g.scratch, slot_dest,
                 token_dest_pos);
-  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, num_tokens);
+  if (opens_call) EndStart(g, call, may_run, start, token_dest_pos, slot_dest, num_tokens, topk);
 }
 
 }  // namespace
