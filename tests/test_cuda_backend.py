@@ -351,9 +351,9 @@ def _fails_with_a_split_op_open(mesh, transport, inputs):
 @pytest.mark.parametrize("tokens", [64, 512], ids=["one_chunk", "two_chunks"])
 def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, transport, tokens):
     """Two dispatch_starts in a row: the first writes real positions and link 0 and stays open, the second
-    fails (its positions and slot ranks all -1) and the group says a split op was open. One chunk of routing in a group of one
-    GPU is the start whose routing kernel checks and opens the call itself; two chunks go through the send
-    kernel."""
+    fails (its positions and slot ranks all -1) and the group says a split op was open. One chunk of routing in a
+    group of one GPU is the start whose routing kernel checks and opens the call itself; two chunks go through the
+    send kernel."""
     import jax_ep
 
     ranks = mesh.devices.size
