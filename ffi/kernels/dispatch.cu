@@ -283,9 +283,7 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   const bool outputs = blockIdx.x == 0 && may_run;
   OneBlockWrite(rows_memory, rows, slot, num_slots, static_cast<int>(p.topk), E, g.num_ranks, p.s, scratch,
                 outputs ? p.slot_dest : nullptr, outputs ? p.token_dest_pos : nullptr);
-  // Only a send phase with peers, and the copy below, read other threads' slot and token entries before the row
-  // tables' barriers.
-  if (g.num_ranks > 1 || !p.do_receive) __syncthreads();
+  __syncthreads();  // the row tables overwrite the count rows that OneBlockWrite's threads read
   if (blockIdx.x == 0 && !p.do_receive) {
     for (int64_t i = threadIdx.x; i < p.s.ints; i += blockDim.x) g.scratch[i] = scratch[i];
   }
