@@ -86,9 +86,8 @@ __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
   Poison(p.group_sizes, p.local_experts * 4);
   Poison(p.num_dropped, 4);
   Poison(p.num_invalid, 4);
-  Poison(p.token_dest_pos, T * R * 4);
+  PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
   Poison(p.send_counts, R * 4);
-  Poison(p.slot_dest, T * K * 4);
   Poison(p.recv_rows, R * T * K * 4);
   Poison(p.recv_counts, R * 4);
   Poison(p.row_slot, p.num_rows * 4);
@@ -317,10 +316,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
-    if (!may_run && phase == Phase::kStart) {
-      Poison(p.token_dest_pos, T * R * 4);
-      Poison(p.slot_dest, T * K * 4);
-    }
+    if (!may_run && phase == Phase::kStart) PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
     if (may_run) {
       const int64_t first_thread = first_warp * 32 + lane;
       for (int64_t i = first_thread; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
@@ -468,7 +464,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
             OneBlockFits(c.num_tokens, c.topk, c.num_experts, R, p.s, kThreads, after_scratch);
     if (route) {
       p.scratch_words = scratch_words;
-      status = CheckRouting(c.num_tokens, c.topk, c.num_experts, g);
+      status = CheckRouting(p.s, g);
       if (!status.ok()) return status;
     } else {
       const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};

@@ -224,8 +224,8 @@ struct RoutingStart {
   float* link = nullptr;
 };
 
-// The routing scratch this dispatch needs fits the group's (routing.cu).
-Status CheckRouting(int64_t num_tokens, int64_t topk, int64_t num_experts, const GroupView& group);
+// The routing scratch `s` fits the group's (routing.cu).
+Status CheckRouting(const RoutingScratch& s, const GroupView& group);
 
 // The dispatch's first kernel (routing.cu), unless the dispatch kernel routes: slot_dest, the routing scratch and,
 // when the routing is one chunk, token_dest_pos.

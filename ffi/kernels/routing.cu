@@ -65,10 +65,7 @@ __device__ inline int32_t PrefixInPlace(int32_t* values, int64_t stride, int64_t
 __device__ inline void EndStart(const GroupView& g, const Call& call, bool may_run, const RoutingStart& start,
                                 int32_t* token_dest_pos, int32_t* slot_dest, int32_t num_tokens, int topk) {
   __syncthreads();
-  if (!may_run) {
-    Poison(token_dest_pos, static_cast<int64_t>(num_tokens) * g.num_ranks * 4);
-    Poison(slot_dest, static_cast<int64_t>(num_tokens) * topk * 4);
-  }
+  if (!may_run) PoisonStart(token_dest_pos, slot_dest, num_tokens, g.num_ranks, topk);
   if (threadIdx.x == 0) {
     *start.link = 0.0f;
     if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
@@ -275,8 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-Status CheckRouting(int64_t num_tokens, int64_t topk, int64_t num_experts, const GroupView& group) {
-  const RoutingScratch s(num_tokens, topk, num_experts, group.num_ranks);
+Status CheckRouting(const RoutingScratch& s, const GroupView& group) {
   if (s.ints > group.scratch_ints) {
     return Status::Error(StatusCode::kResourceExhausted,
                          "this dispatch needs " + std::to_string(s.ints) + " ints of routing scratch, but "
@@ -297,7 +293,7 @@ Status LaunchRouting(const int32_t* topk_idx, int64_t num_tokens, int64_t topk, 
   if (start.axis_index != nullptr && (s.chunks != 1 || group.num_ranks != 1)) {
     return Status::Internal("only a routing of one chunk in a group of one GPU can open a split dispatch's call");
   }
-  const Status checked = CheckRouting(num_tokens, topk, num_experts, group);
+  const Status checked = CheckRouting(s, group);
   if (!checked.ok()) return checked;
   const int one_block = OneBlockThreads(num_tokens, topk);
   if (OneBlockFits(num_tokens, topk, num_experts, group.num_ranks, s, one_block, kRoutingSharedBytes)) {

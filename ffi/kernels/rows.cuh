@@ -205,6 +205,13 @@ __device__ inline void Poison(void* p, int64_t bytes) {
   for (int64_t i = first; i < bytes; i += threads) c[i] = static_cast<char>(0xff);
 }
 
+// Poisons a dispatch start's outputs: token_dest_pos [T, R] and slot_dest [T, K].
+__device__ inline void PoisonStart(int32_t* token_dest_pos, int32_t* slot_dest, int64_t num_tokens, int64_t num_ranks,
+                                   int64_t topk) {
+  Poison(token_dest_pos, num_tokens * num_ranks * 4);
+  Poison(slot_dest, num_tokens * topk * 4);
+}
+
 // One warp stores piece `piece` (of `pieces`) of token row x[t] at position `pos` of its region for rank `dest`:
 // the send phase of a dispatch and of combine's backward pass.
 __device__ inline void StoreTokenPiece(const GroupView& g, const Call& call, const DispatchRegion& region,
