@@ -6,6 +6,7 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh split     # kernels of one whole and one split step (ncu)
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh training  # kernels of one training step, cuda and xla (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh sanitize  # memcheck, racecheck, synccheck, initcheck
 # "all" builds this tree only, then runs, each step under a time limit that keeps the whole within 570 s of the
 # start: the GPU tests (bench/gpu_tests.py, <= 240 s), ncu's kernel times of one dispatch + combine at T=128 and
@@ -112,6 +113,15 @@ if [ "$stage" = split ]; then  # every kernel of one step at T=128, whole and sp
   for step in dispatch dispatch_split combine combine_split; do
     ncu_run 128 100 "$step" > "/tmp/profile_$step.log" 2>&1 || tail -20 "/tmp/profile_$step.log"
     ncu_summary 128 "$step"
+  done
+  exit 0
+fi
+if [ "$stage" = training ]; then  # every kernel of one training step (loss and gradients), cuda and xla (ncu)
+  for tokens in 128 4096; do
+    for step in training training_xla; do
+      ncu_run "$tokens" 120 "$step" > "/tmp/profile_${step}_$tokens.log" 2>&1 || tail -20 "/tmp/profile_${step}_$tokens.log"
+      ncu_summary "$tokens" "$step"
+    done
   done
   exit 0
 fi

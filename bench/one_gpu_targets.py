@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
 
     import jax_ep
     from jax_ep import _group
-    from jax_ep.bench import timing
+    from jax_ep.bench import timing, training_step
     from jax_ep.bench.record import provenance, write
     from jax_ep.bench.timing import copy_seconds, fill_seconds, make_inputs, progress, seconds_per_call, time_backend
 
@@ -219,28 +219,8 @@ def main(argv: list[str]) -> int:
 
         return jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))
 
-    def step_functions(backend):
-        """The training step's loss, its gradients (one call), and the loop step that consumes them all."""
-
-        def loss(x, w, scale, idx, c):
-            d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
-            h = d.x.astype(jnp.float32)
-            held = (jnp.arange(h.shape[0]) < jnp.sum(d.group_sizes))[:, None]  # rows past them are unspecified
-            y = jnp.where(held, h * scale[0] + 0.0625 * h * h, 0.0).astype(d.x.dtype)  # the elementwise "expert"
-            out = jax_ep.combine(y, d.handle, weights=d.weights)
-            return jnp.sum(out.astype(jnp.float32) * c)
-
-        grads = jax.value_and_grad(loss, argnums=(0, 1, 2))
-
-        def once(x, idx, w, scale, c):
-            value, (gx, gw, gs) = grads(x, w, scale, idx, c)
-            return value[None], gx, gw, gs
-
-        def step(i, x, idx, w, scale, c):
-            value, (gx, gw, gs) = grads(x, w, scale, (idx + i) % EXPERTS, c)
-            return value + jnp.sum(gx.astype(jnp.float32)) + jnp.sum(gw) + jnp.sum(gs)
-
-        return jax.jit(jax.shard_map(once, in_specs=P("ep"), out_specs=P("ep"))), step
+    def gradients(backend):
+        return jax.jit(jax.shard_map(training_step.once(backend), in_specs=P("ep"), out_specs=P("ep")))
 
     @jax.jit
     def compare_dispatch(got, want):
@@ -285,8 +265,8 @@ def main(argv: list[str]) -> int:
         result.update({k: float(v) for k, v in compare_combine(got[5], want[5]).items()})
         result["valid_slots"] = int(np.sum((idx >= 0) & (idx < EXPERTS)))
         del got, want
-        grads_got = jax.block_until_ready(step_functions(ops_backend)[0](x, idx, w, scale, c))
-        grads_want = step_functions("xla")[0](x, idx, w, scale, c)
+        grads_got = jax.block_until_ready(gradients(ops_backend)(x, idx, w, scale, c))
+        grads_want = gradients("xla")(x, idx, w, scale, c)
         names = ("loss_relative_error", "grad_x_relative_error", "grad_topk_weights_relative_error")
         names += ("grad_scale_relative_error",)
         for name, a, b in zip(names, grads_got, grads_want, strict=True):
@@ -351,7 +331,7 @@ def main(argv: list[str]) -> int:
             for backend in ("cuda", "xla") if use_cuda else ("xla",):
                 progress(f"training step T={tokens}, {backend}")
                 try:
-                    step = step_functions(backend)[1]
+                    step = training_step.step(backend)
                     point[f"{backend}_us"] = seconds_per_call(step, (x, idx, w, scale, c), args.iters) * 1e6
                     if group is not None:
                         group.check()

@@ -8,11 +8,14 @@
 marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call. With ``--step``
 another step takes its place: one of bench/feature_costs.py's (``jax_ep.bench.split_steps``), a dispatch or a
 combine next to a matmul, whole (``dispatch``, ``combine``) or split (``dispatch_split``, ``combine_split``), so
-that the kernels of one step of each, XLA's included, can be set side by side.
+that the kernels of one step of each, XLA's included, can be set side by side; or the one-GPU targets' training
+step (``jax_ep.bench.training_step``: loss and gradients) on backend "cuda" (``training``) or "xla"
+(``training_xla``, whose kernels are all XLA's).
 ``summarize`` keeps the kernels of the last call (those after the marker), in launch order, and splits them by
 name: dispatch is the
-``RoutingKernel`` and ``DispatchKernel`` launches, combine the ``CombineKernel`` launches (names matched by
-prefix, so template instances count). Every other kernel of the call is XLA's own (copies, fusions); those are
+``RoutingKernel`` and ``DispatchKernel`` launches, combine the ``CombineKernel`` launches (in a training step also
+dispatch's backward pass), combine_backward the ``CombineBackwardKernel`` launches (names matched by prefix, so
+template instances count). Every other kernel of the call is XLA's own (copies, fusions); those are
 listed apart, each with the jax_ep kernel it follows, and never counted into an op. A kernel name that is not
 found is reported under ``missing``, not an error. Nsight Compute runs kernels one at a time, so one GPU only:
 on several, a kernel that waits for its peers would wait forever.
@@ -26,7 +29,11 @@ import sys
 from pathlib import Path
 
 # Each op's kernels, by the start of their function name (a template instance matches too).
-OPS = {"dispatch": ("RoutingKernel", "DispatchKernel"), "combine": ("CombineKernel",)}
+OPS = {
+    "dispatch": ("RoutingKernel", "DispatchKernel"),
+    "combine": ("CombineKernel",),
+    "combine_backward": ("CombineBackwardKernel",),
+}
 CALLS = 3
 MARKER = "cbrt"  # in the name of the kernel launched just before the last call
 STEP_WORDS = {
@@ -35,8 +42,15 @@ STEP_WORDS = {
     "dispatch_split": "dispatch_start, a matmul, dispatch_finish",
     "combine": "combine next to a matmul",
     "combine_split": "combine_start, a matmul, combine_finish",
+    "training": "the training step's loss and gradients, backend cuda",
+    "training_xla": "the training step's loss and gradients, backend xla",
 }
 STEPS = tuple(STEP_WORDS)
+
+
+def expected_ops(step: str) -> tuple[str, ...]:
+    """The ops whose kernels a step launches."""
+    return {"training": tuple(OPS), "training_xla": ()}.get(step, ("dispatch", "combine"))
 
 
 def run(tokens: int, hidden: int, step_name: str = "exchange") -> None:
@@ -61,6 +75,8 @@ def run(tokens: int, hidden: int, step_name: str = "exchange") -> None:
     with jax.set_mesh(mesh):
         if step_name == "exchange":
             call, operands = jax.jit(jax.shard_map(step, in_specs=P("ep"), out_specs=P("ep"))), (x, idx, w)
+        elif step_name.startswith("training"):
+            call, operands = _training_step(step_name, x, idx, w, tokens, hidden)
         else:
             call, operands = _split_step(step_name, x, jnp.asarray(idx), w, hidden)
         for i in range(CALLS):
@@ -96,6 +112,21 @@ def _split_step(name: str, x, idx, w, hidden: int, backend: str = "cuda"):
     in_specs = (P(), *[P("ep")] * len(operands))
     call = jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=P("ep")))
     return call, (jnp.int32(1), *operands)
+
+
+def _training_step(name: str, x, idx, w, tokens: int, hidden: int):
+    """The training step's loss and gradients, jitted, and its operands as bench/one_gpu_targets.py makes them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.bench import training_step
+
+    backend = "xla" if name == "training_xla" else "cuda"
+    c = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, hidden)), jnp.float32)
+    call = jax.jit(jax.shard_map(training_step.once(backend), in_specs=P("ep"), out_specs=P("ep")))
+    return call, (x, jnp.asarray(idx), w, jnp.full((1,), 0.75, jnp.float32), c)
 
 
 def function_name(kernel: str) -> str:
@@ -153,23 +184,24 @@ def read_kernels(csv_path: Path) -> list[dict]:
     return kernels
 
 
-def split_last_call(kernels: list[dict]) -> dict:
+def split_last_call(kernels: list[dict], step: str = "exchange") -> dict:
     """The kernels of the last of the calls, by op, with XLA's own kernels apart; names not found are listed.
 
     The last call is every kernel after the last marker kernel. Without a marker, it is every kernel after the
     jax_ep kernels of the call before it, which also takes in XLA's kernels that end the call before
-    (``"boundary"`` says which). A call starts at its routing kernel (or its first jax_ep kernel).
+    (``"boundary"`` says which). A call starts at its routing kernel (or its first jax_ep kernel). A step that
+    launches no jax_ep kernel (``training_xla``) needs the marker.
     """
     ours = [i for i, k in enumerate(kernels) if op_of(k["kernel"])]
-    wanted = [prefix for prefixes in OPS.values() for prefix in prefixes]
+    wanted = [prefix for op in expected_ops(step) for prefix in OPS[op]]
     found = {prefix for k in kernels for prefix in wanted if k["name"].startswith(prefix)}
     missing = [prefix for prefix in wanted if prefix not in found]
-    if not ours:
-        return {"missing": missing, "error": "no jax_ep kernel in the profile", "calls_seen": 0}
-    routing = [i for i in ours if kernels[i]["name"].startswith(wanted[0])]
-    first = kernels[(routing or ours)[0]]["name"]  # the kernel each call starts with
-    starts = [i for i in ours if kernels[i]["name"] == first]
     markers = [i for i, k in enumerate(kernels) if MARKER in k["name"]]
+    if not ours and (wanted or not markers):
+        return {"missing": missing, "error": "no jax_ep kernel in the profile", "calls_seen": 0}
+    routing = [i for i in ours if kernels[i]["name"].startswith(OPS["dispatch"])]
+    first = kernels[(routing or ours)[0]]["name"] if ours else None  # the kernel each call starts with
+    starts = [i for i in ours if kernels[i]["name"] == first]
     if markers:
         begin, boundary = markers[-1] + 1, f"the {MARKER} marker kernel"
     else:
@@ -178,13 +210,14 @@ def split_last_call(kernels: list[dict]) -> dict:
         boundary = "no marker: the previous call's last jax_ep kernel (its trailing XLA kernels are counted too)"
     last_call = kernels[begin:]
     per_call = [sum(1 for i in ours if a <= i < b) for a, b in zip(starts, [*starts[1:], len(kernels)], strict=True)]
-    ops = {op: {"kernels": 0, "us": 0.0, "list": []} for op in OPS}
+    ops = {op: {"kernels": 0, "us": 0.0, "list": []} for op in expected_ops(step)}
     xla = {"kernels": 0, "us": 0.0, "list": []}
     after = None
     for k in last_call:
         op = op_of(k["kernel"])
         entry = {key: k[key] for key in ("name", "us", "grid", "block", "kernel")}
         if op:
+            ops.setdefault(op, {"kernels": 0, "us": 0.0, "list": []})
             ops[op]["kernels"] += 1
             ops[op]["us"] += k["us"]
             ops[op]["list"].append(entry)
@@ -202,7 +235,7 @@ def split_last_call(kernels: list[dict]) -> dict:
         "xla_kernels": xla,
         "last_call": [{key: k[key] for key in ("name", "us", "grid")} for k in last_call],
     }
-    if len(starts) != CALLS:
+    if wanted and len(starts) != CALLS:
         result["warning"] = f"{len(starts)} calls starting with {first} were profiled, not {CALLS}"
     return result
 
@@ -225,7 +258,7 @@ def summarize(csv_path: Path, out: Path, tokens: int | None, hidden: int | None,
         payload["error"] = f"no profile read: {error}"
         kernels = []
     if kernels:
-        payload.update(split_last_call(kernels))
+        payload.update(split_last_call(kernels, step))
     elif "error" not in payload:
         payload["error"] = "the profile holds no kernel"
     if "ops" not in payload:  # help find out why: the end of what was profiled
@@ -247,8 +280,9 @@ def table(payload: dict) -> list[str]:
         lines.append(f"{head} {op:8}: {result['kernels']} kernels, {result['us']:8.1f} us  ({kernels})")
     xla = payload.get("xla_kernels")
     if xla is not None:
-        kernels = ", ".join(f"{k['name']} {k['us']:.1f} after {k['after']}" for k in xla["list"][:6])
-        more = f", ... {xla['kernels'] - 6} more" if xla["kernels"] > 6 else ""
+        shown = 40 if payload.get("step", "").startswith("training") else 6
+        kernels = ", ".join(f"{k['name']} {k['us']:.1f} after {k['after']}" for k in xla["list"][:shown])
+        more = f", ... {xla['kernels'] - shown} more" if xla["kernels"] > shown else ""
         lines.append(f"{head} XLA's own: {xla['kernels']} kernels, {xla['us']:8.1f} us  ({kernels}{more})")
     if payload.get("missing"):
         lines.append(f"{head}: kernels not found: {', '.join(payload['missing'])}")
