@@ -1,13 +1,17 @@
 """The kernels of one gradient of dispatch -> combine (backend "cuda", an EP group of one GPU), for Nsight Compute.
 
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base -k regex:Kernel \\
-        --launch-skip 8 --launch-count 4 python bench/profile_backward.py --tokens 4096
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+        -k regex:CombineBackwardKernel --launch-skip 2 --launch-count 1 \
+        python bench/profile_backward.py --tokens 4096 [--unused 0.5]
 
 Runs ``jax.grad`` of ``sum(combine(d.x * 1.5, weights=d.weights) ** 2)`` w.r.t. ``x`` and ``topk_weights``
 three times (H=7168, K=8, E=256, bf16, uniform routing from ``jax_ep.bench.timing.make_inputs``). Each call
-launches four jax_ep kernels (the forward RoutingKernel, DispatchKernel, CombineKernel, then
-CombineBackwardKernel for combine's backward pass and CombineKernel again for dispatch's), so the ncu flags
-above keep the third call's.
+launches the forward dispatch's kernels (``RoutingKernel`` unless a decode dispatch routes in its one kernel,
+``DispatchKernel``) and ``CombineKernel``, then ``CombineBackwardKernel`` for combine's backward pass and
+``CombineKernel`` again for dispatch's; the flags above keep the third call's backward kernel.
+
+``--unused F`` sets the slots k >= (1 - F) * K of every token to -1 (unused): the layout (capacity=None) then has
+a ragged tail of that fraction of its rows, as an EP group of 1 / (1 - F) GPUs has with balanced routing.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--unused", type=float, default=0.0, help="fraction of each token's slots set to -1")
     args = parser.parse_args()
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
     jax_ep.initialize(mesh, "ep", num_tokens=args.tokens, hidden=args.hidden, topk=TOPK, num_experts=EXPERTS)
     x, idx, w, _ = make_inputs(1, args.tokens, args.hidden)
+    used = round((1 - args.unused) * TOPK)
+    idx = jnp.where(jnp.arange(TOPK)[None, :] < used, jnp.asarray(idx), -1)
 
     def loss(x, w):
         def body(x, idx, w):
@@ -43,7 +50,7 @@ def main() -> None:
         grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
         for _ in range(3):
             jax.block_until_ready(grad(x, w))
-    print("profile_backward: 3 gradient calls done")
+    print(f"profile_backward: 3 gradient calls done, {used} of {TOPK} slots used per token")
 
 
 if __name__ == "__main__":

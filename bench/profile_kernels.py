@@ -209,7 +209,8 @@ def split_last_call(kernels: list[dict], step: str = "exchange") -> dict:
         begin = previous[-1] + 1 if previous else starts[-1]
         boundary = "no marker: the previous call's last jax_ep kernel (its trailing XLA kernels are counted too)"
     last_call = kernels[begin:]
-    per_call = [sum(1 for i in ours if a <= i < b) for a, b in zip(starts, [*starts[1:], len(kernels)], strict=True)]
+    ends = [*starts[1:], len(kernels)] if starts else []
+    per_call = [sum(1 for i in ours if a <= i < b) for a, b in zip(starts, ends, strict=True)]
     ops = {op: {"kernels": 0, "us": 0.0, "list": []} for op in expected_ops(step)}
     xla = {"kernels": 0, "us": 0.0, "list": []}
     after = None

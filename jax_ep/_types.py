@@ -71,7 +71,9 @@ class Handle:
       the layout row of its slot ``k``, -1 when that slot was not delivered here.
     * ``recv_counts [R]``: tokens received from each rank.
     * ``row_slot [N]``: for each layout row, the received slot it holds as
-      ``(r * T + i) * K + k``, -1 for rows that hold no slot.
+      ``(r * T + i) * K + k``; -1 for rows that hold no slot inside the data
+      (alignment padding, the expert layout's unused rows), -2 for the ragged
+      rows past ``sum(group_sizes)``.
     """
 
     token_dest_pos: jax.Array

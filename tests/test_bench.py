@@ -161,6 +161,27 @@ def test_profile_summary_splits_the_last_call_by_kernel_name(tmp_path):
     assert [k["name"] for k in result["xla_kernels"]["list"]][:2] == ["wrapped_copy", "input_concatenate_fusion"]
 
 
+def test_profile_summary_of_training_steps(tmp_path):
+    """A training step's kernels: combine's backward kernel is an op of its own; the xla step has no jax_ep kernel
+    and is told apart by the marker alone."""
+    profile = _script("profile_kernels")
+    backward = "void jax_ep::<unnamed>::CombineBackwardKernel<__nv_bfloat16>(jax_ep::BackwardParams, jax_ep::GroupView)"
+    call = [(DISPATCH, 15.0), ("loop_convert_fusion", 11.0), (COMBINE, 11.0), (backward, 17.0), (COMBINE, 11.5)]
+    _ncu_csv(tmp_path / "k.csv", [call, call, [("wrapped_cbrt", 0.5)], call])
+    profile.summarize(tmp_path / "k.csv", tmp_path / "k.json", 128, 7168, "training")
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["missing"] == ["RoutingKernel"] and "warning" not in result
+    assert result["ops"]["combine"]["us"] == 22.5 and result["ops"]["combine_backward"]["us"] == 17.0
+    assert result["xla_kernels"]["us"] == 11.0
+
+    xla_call = [("loop_convert_fusion", 3.0), ("input_reduce_fusion", 1.0)]
+    _ncu_csv(tmp_path / "x.csv", [xla_call, xla_call, [("wrapped_cbrt", 0.5)], [(n, 2 * us) for n, us in xla_call]])
+    profile.summarize(tmp_path / "x.csv", tmp_path / "x.json", 128, 7168, "training_xla")
+    result = json.loads((tmp_path / "x.json").read_text())
+    assert result["ops"] == {} and result["missing"] == [] and "warning" not in result and "error" not in result
+    assert result["xla_kernels"]["us"] == 8.0 and result["xla_kernels"]["kernels"] == 2
+
+
 def test_profile_summary_says_what_is_missing_instead_of_failing(tmp_path):
     profile = _script("profile_kernels")
     _ncu_csv(tmp_path / "k.csv", [[(ROUTING, 5.0), ("fusion", 1.0), (DISPATCH, 9.0)]] * 2)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gpu import gpu_devices, require_cuda
-from helpers import assert_bits_equal, quantize_dequantize, specified
+from helpers import assert_bits_equal, quantize_dequantize, ragged_tail, specified
 from jax.sharding import PartitionSpec as P
 
 pytestmark = require_cuda()
@@ -200,7 +200,8 @@ def test_cuda_gradients_match_xla(mesh, layout):
 
 
 def _combine_backward(mesh, backend, x, idx, w, layout, weighted):
-    """combine's dy, dweights (0 without weights) and row_slot, with NaN in y's rows that hold no slot."""
+    """combine's dy, dweights (0 without weights), row_slot and group_sizes, with NaN in y's rows that hold no
+    slot."""
     import jax_ep
 
     def f(x, idx, w):
@@ -215,7 +216,7 @@ def _combine_backward(mesh, backend, x, idx, w, layout, weighted):
         else:
             _, vjp = jax.vjp(lambda y: jax_ep.combine(y, d.handle), y)
             (dy,), dweights = vjp(g), jnp.zeros_like(d.weights)
-        return dy[None], dweights[None], d.handle.row_slot[None]
+        return dy[None], dweights[None], d.handle.row_slot[None], d.group_sizes[None]
 
     with jax.set_mesh(mesh):
         return jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
@@ -227,15 +228,24 @@ def _combine_backward(mesh, backend, x, idx, w, layout, weighted):
 )
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_combine_backward_matches_xla(mesh, layout, dtype, hidden, weighted):
-    """jax_ep_combine_backward: dy bit for bit, dweights within float32 rounding, and exactly 0 in both on rows
-    that hold no slot, where y is NaN (H=1001: the unaligned paths)."""
+    """jax_ep_combine_backward: dy bit for bit on the specified rows, dweights within float32 rounding, and exactly
+    0 in dweights on rows that hold no slot and in dy on those inside the data, where y is NaN (H=1001: the
+    unaligned paths). The handle's row_slot is the xla backend's: -1 inside the data, -2 past it (ragged)."""
     x, idx, w = _inputs(mesh, "messy", 96, hidden, 4, 16, dtype, seed=hidden)
-    dy, dweights, row_slot = (np.asarray(a) for a in _combine_backward(mesh, "cuda", x, idx, w, layout, weighted))
-    want_dy, want_dweights, _ = (np.asarray(a) for a in _combine_backward(mesh, "xla", x, idx, w, layout, weighted))
-    assert_bits_equal(dy, want_dy, err_msg="dy")
+    got = (np.asarray(a) for a in _combine_backward(mesh, "cuda", x, idx, w, layout, weighted))
+    dy, dweights, row_slot, sizes = got
+    want_dy, want_dweights, want_row_slot, _ = (
+        np.asarray(a) for a in _combine_backward(mesh, "xla", x, idx, w, layout, weighted)
+    )
+    np.testing.assert_array_equal(row_slot, want_row_slot)
+    assert_bits_equal(specified(dy, sizes), specified(want_dy, sizes), err_msg="dy")
     empty = (row_slot < 0).reshape(dweights.shape)
     assert empty.any() and (~empty).any()
-    assert not np.any(dy[empty]) and not np.any(dweights[empty])
+    padding = (row_slot == -1).reshape(dweights.shape)
+    assert padding.any()  # alignment 8: padding inside the data in both layouts
+    if layout == "ragged":
+        np.testing.assert_array_equal(row_slot == -2, ragged_tail(dy, sizes))
+    assert not np.any(dy[padding]) and not np.any(dweights[empty])
     np.testing.assert_allclose(dweights, want_dweights, rtol=1e-5, atol=1e-5 * np.abs(want_dweights).max())
     assert np.abs(dy.astype(np.float32)).sum() > 0 and (not weighted or np.abs(want_dweights).sum() > 0)
 

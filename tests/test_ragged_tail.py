@@ -1,8 +1,8 @@
 """SPEC v2: rows of the ragged layout past ``sum(group_sizes)`` are unspecified, and nothing reads them.
 
-Each test fills that tail of ``d.x`` with NaN inside the per-rank body (what a backend may leave there)
-and shows that combine, every gradient, ``jax.lax.ragged_dot`` and ``jax_ep.nn.MoE`` give the same bits
-as without NaN, all finite.
+Each test fills that tail of ``d.x``, and of ``dy`` (combine's cotangent of ``y``), with NaN inside the per-rank
+body (what a backend may leave there) and shows that combine, every gradient, ``jax.lax.ragged_dot`` and
+``jax_ep.nn.MoE`` give the same bits as without NaN, all finite.
 """
 
 import dataclasses
@@ -25,6 +25,25 @@ def nan_tail(d: jax_ep.Dispatched) -> jax_ep.Dispatched:
     return dataclasses.replace(d, x=jnp.where(rows < d.group_sizes.sum(), d.x, jnp.nan).astype(d.x.dtype))
 
 
+def _rows_past(rows: jax.Array, used: jax.Array) -> jax.Array:
+    """``rows [N, ...]`` with every row at or past ``used`` set to NaN."""
+    past = (jnp.arange(rows.shape[0]) >= used).reshape(-1, *[1] * (rows.ndim - 1))
+    return jnp.where(past, jnp.nan, rows).astype(rows.dtype)
+
+
+@jax.custom_vjp
+def nan_cotangent_tail(y: jax.Array, used: jax.Array) -> jax.Array:
+    """``y`` as is; its cotangent gets NaN on every row at or past ``used``, as a backend may leave combine's
+    ``dy`` past the data (the cuda backend does not write it)."""
+    return y
+
+
+nan_cotangent_tail.defvjp(
+    lambda y, used: (y, used),
+    lambda used, ct: (_rows_past(ct, used), np.zeros((), jax.dtypes.float0)),
+)
+
+
 def _body(poison: bool, capacity, alignment):
     """One rank: dispatch (tail NaN if ``poison``), ragged_dot experts, combine; outputs and pullbacks of each op."""
 
@@ -41,11 +60,14 @@ def _body(poison: bool, capacity, alignment):
             )
             if poison:
                 d = nan_tail(d)
-            y = jax.lax.ragged_dot(d.x, w_local, d.group_sizes)
+            y, y_sin = jax.lax.ragged_dot(d.x, w_local, d.group_sizes), jnp.sin(d.x)  # y_sin: a NaN tail of its own
+            if poison:  # and NaN past the data in their cotangents, combine's dy
+                used = d.group_sizes.sum()
+                y, y_sin = nan_cotangent_tail(y, used), nan_cotangent_tail(y_sin, used)
             outs = (
                 jax_ep.combine(y, d.handle, weights=d.weights),
                 jax_ep.combine(y, d.handle, weights=d.weights, partial_dtype=jnp.float32),
-                jax_ep.combine(jnp.sin(d.x), d.handle),  # y with a NaN tail of its own
+                jax_ep.combine(y_sin, d.handle),
             )
             return outs, d
 
@@ -104,6 +126,29 @@ def test_nan_in_the_ragged_tail_reaches_nothing(capacity, alignment):
     _assert_same_finite(poisoned, clean)
 
 
+@pytest.mark.parametrize(("capacity", "alignment"), [(None, 1), (None, 4), (20, 3)])
+def test_the_handle_marks_the_rows_past_the_data(capacity, alignment):
+    """Handle.row_slot: a slot on the rows that hold one, -1 on the alignment padding inside the data, -2 on every
+    row past sum(group_sizes), so that combine's backward pass can leave dy there unwritten."""
+    num_ranks = 4
+    rng = np.random.default_rng([37, alignment])
+    x, topk_weights = random_inputs(rng, num_ranks, T, H, K)
+    idx = routing(rng, "invalid", num_ranks, T, K, E)
+
+    def body(x, idx, topk_weights):
+        kw = dict(num_experts=E, axis_name=AXIS, capacity=capacity, expert_alignment=alignment)
+        d = jax_ep.dispatch(x, idx, topk_weights, **kw)
+        return d.handle.row_slot, d.group_sizes
+
+    row_slot, sizes = to_numpy(ep_jit(body, num_ranks)(x, idx, topk_weights))
+    past = np.arange(row_slot.shape[1])[None, :] >= sizes.sum(axis=1)[:, None]
+    assert past.any() and (~past).any()
+    np.testing.assert_array_equal(row_slot == -2, past)
+    assert np.all(row_slot[~past] >= -1)
+    if alignment > 1:
+        assert np.any(row_slot[~past] == -1)  # padding inside the data
+
+
 def _assert_same_finite(got, want):
     """Every leaf of ``got`` is finite (floats) and has the bits of the same leaf of ``want``."""
     want_leaves = jax.tree_util.tree_leaves(want)
@@ -118,17 +163,22 @@ def _assert_same_finite(got, want):
 
 
 def test_nan_in_the_ragged_tail_does_not_reach_the_moe_layer(monkeypatch):
-    """jax_ep.nn.MoE (ragged layout, alignment 4): output, aux loss and every gradient are the same bits."""
+    """jax_ep.nn.MoE (ragged layout, alignment 4), with NaN past the data in d.x and in combine's dy: output, aux
+    loss and every gradient are the same bits."""
     nnx = pytest.importorskip("flax.nnx")
     import jax_ep.nn
 
-    real_dispatch = jax_ep.nn.dispatch  # the layer without overlap dispatches with jax_ep.dispatch
+    real_dispatch, real_combine = jax_ep.nn.dispatch, jax_ep.nn.combine  # the layer without overlap
     poisoned_calls = []
 
     def dispatch_with_nan_tail(*args, **kwargs):
         d = nan_tail(real_dispatch(*args, **kwargs))
         jax.debug.callback(lambda n: poisoned_calls.append(int(n)), jnp.isnan(d.x).sum())
         return d
+
+    def combine_with_nan_dy_tail(y, handle, **kwargs):
+        used = jnp.sum(handle.row_slot != -2)  # the rows of the data (Handle.row_slot)
+        return real_combine(nan_cotangent_tail(y, used), handle, **kwargs)
 
     mesh = cpu_mesh((8,), ("ep",))
     model = jax_ep.nn.MoE(16, 24, num_experts=8, topk=2, mesh=mesh, expert_alignment=4, rngs=nnx.Rngs(0))
@@ -146,6 +196,7 @@ def test_nan_in_the_ragged_tail_does_not_reach_the_moe_layer(monkeypatch):
 
     clean = run()
     monkeypatch.setattr(jax_ep.nn, "dispatch", dispatch_with_nan_tail)
+    monkeypatch.setattr(jax_ep.nn, "combine", combine_with_nan_dy_tail)
     poisoned = run()
     jax.effects_barrier()
     assert poisoned_calls and sum(poisoned_calls) > 0, "the tail was never filled with NaN"

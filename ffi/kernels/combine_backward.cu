@@ -1,8 +1,8 @@
 // The backward pass of combine: each token's cotangent g goes along the handle's routing to the ranks that hold
 // its rows (the send phase of a dispatch), and each held row gets, where it lives, dy = w * g in y's type and
-// dweights = <g, y[row]> in float32. Rows that hold no slot get 0. A token's pieces of H are consecutive warps of
-// one block, which add their parts of each dot in piece order in shared memory, so every value is the same on
-// every run.
+// dweights = <g, y[row]> in float32. Rows that hold no slot get 0, but for dy past the data (the ragged tail),
+// which is not written. A token's pieces of H are consecutive warps of one block, which add their parts of each
+// dot in piece order in shared memory, so every value is the same on every run.
 #include "launch.h"
 #include "protocol.cuh"
 #include "rows.cuh"
@@ -234,12 +234,13 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     }
   }
 
-  // Rows that hold no slot: dy 0 and dweights 0, 32 rows per warp and round.
+  // Rows that hold no slot, 32 rows per warp and round: dweights 0, and dy 0 inside the data (the ragged tail's dy
+  // is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
   for (int64_t n0 = first_warp * 32; n0 < p.num_rows; n0 += warps * 32) {
     const int64_t n = n0 + lane;
-    const bool empty = n < p.num_rows && p.row_slot[n] < 0;
-    if (empty && with_dots) p.dweights[n] = 0.0f;
-    for (unsigned mask = __ballot_sync(0xffffffffu, empty); mask != 0; mask &= mask - 1) {
+    const int32_t slot = n < p.num_rows ? p.row_slot[n] : 0;
+    if (slot < 0 && with_dots) p.dweights[n] = 0.0f;
+    for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
       CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
     }
   }

@@ -232,8 +232,9 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
   __syncwarp();
 }
 
-// One warp, rows n0 .. n0 + 31 (a lane each): those that hold no slot get weight 0 and no slot, and zeros in x
-// inside the data (alignment padding, the expert layout's unused rows); the ragged tail keeps its x.
+// One warp, rows n0 .. n0 + 31 (a lane each): those that hold no slot get weight 0, and inside the data (alignment
+// padding, the expert layout's unused rows) zeros in x and row_slot kNoSlot; the ragged tail keeps its x and gets
+// row_slot kPastData.
 __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, int lane) {
   const int32_t n = n0 + lane;
   bool empty = false, padding = false;
@@ -242,7 +243,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
       const int32_t capacity = static_cast<int32_t>(p.capacity);
       padding = empty = n % capacity >= t.total[n / capacity];
     } else if (n >= *t.data_end) {
-      empty = true;
+      empty = true;  // past the data: not padding
     } else {
       int32_t lo = 0, hi = static_cast<int32_t>(p.local_experts);  // the last segment that starts at or before n
       while (hi - lo > 1) {
@@ -254,7 +255,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   }
   if (empty) {
     p.weights[n] = 0.0f;
-    p.row_slot[n] = -1;
+    p.row_slot[n] = padding ? kNoSlot : kPastData;
   }
   for (unsigned mask = __ballot_sync(0xffffffffu, padding); mask != 0; mask &= mask - 1) {
     CopyRow(nullptr, p.out_x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);

@@ -22,6 +22,11 @@ constexpr int kMaxRanks = 64;
 constexpr int kMaxTopk = 64;         // a token's rows are sorted and held in shared memory
 constexpr int64_t kMaxExperts = 8192;  // the receivers' row tables live in shared memory
 
+// row_slot of a layout row that holds no slot: inside the data (alignment padding, the expert layout's unused
+// rows), whose x and dy are zeros, or past the data (the ragged tail), which no kernel writes but weights there.
+constexpr int32_t kNoSlot = -1;
+constexpr int32_t kPastData = -2;
+
 // What a call is: flags carry (call number << 8 | op), so a wait can tell another call's data from its own.
 enum Op : uint32_t { kOpDispatch = 1, kOpCombineBackward = 2, kOpCombine = 3 };
 

@@ -67,6 +67,8 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
         .at[jnp.where(flat_rows < 0, config.num_rows, flat_rows)]
         .set(slots, mode="drop")
     )
+    if config.layout == "ragged":  # rows past the data: -2 (Handle)
+        row_slot = jnp.where(jnp.arange(config.num_rows) < jnp.sum(rows.group_sizes), row_slot, -2)
     hidden = x.shape[-1]
     handle = Handle(local.token_dest_pos, send_counts, rows.slot_dest, recv_rows, recv_counts, row_slot, config)
     return Dispatched(
