@@ -3,14 +3,15 @@
     python tests/command_buffer_scan.py        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
     JAX_EP_SCAN_SPLIT=1 python tests/command_buffer_scan.py   # with the split ops, a matmul between the halves
 
-Each step dispatches this rank's tokens with a routing that changes every step, applies an elementwise expert
-(a learned per-rank scale), combines, and updates the scale with the gradient of ``sum(c * out)``. The script
-sets XLA_FLAGS so that XLA captures custom calls in command buffers (CUDA graphs) and checks that it did: the
-FFI handlers run only when XLA records a graph, so they launch the calls fewer times than the calls run
-("captured: ..."). It compares every step's loss and the final scales with ``reference_scan`` (float64 NumPy
-over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the same
-scan with two processes sharing one GPU. With JAX_EP_SCAN_SPLIT=1 each step uses the split ops, with a matmul
-``x @ m`` (added to the output) pinned between dispatch_start and dispatch_finish by optimization barriers.
+Each step dispatches this rank's tokens with a routing that changes every step, applies an elementwise expert (a
+learned per-rank scale, on the rows of the data), combines, and updates the scale with the gradient of ``sum(c *
+out)``. The script sets XLA_FLAGS so that XLA captures custom calls in command buffers (CUDA graphs) and checks
+that it did: the FFI handlers run only when XLA records a graph, so they launch the calls fewer times than the
+calls run ("captured: ..."). It compares every step's loss and the final scales with ``reference_scan`` (float64
+NumPy over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the
+same scan with two processes sharing one GPU. With JAX_EP_SCAN_SPLIT=1 each step uses the split ops, with a
+matmul ``x @ m`` (added to the output) pinned between dispatch_start and dispatch_finish by optimization
+barriers.
 """
 
 from __future__ import annotations
@@ -65,15 +66,21 @@ def scan_fn(backend: str):
     """The per-rank scan: returns (losses [1, STEPS], final scale [1, H]); collectives only through jax_ep."""
     import jax_ep
 
+    def expert(d, scale):
+        """The scale on the rows of the data: the ragged tail of d.x and of combine's dy is unspecified, so a
+        parameter whose gradient sums over the rows must not see it."""
+        held = (jnp.arange(d.x.shape[0]) < jnp.sum(d.group_sizes))[:, None]
+        return jnp.where(held, d.x * scale, 0).astype(d.x.dtype)
+
     def rank_loss(scale, x, idx, w, m):
         if not SPLIT:
             d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
-            return jax_ep.combine(d.x * scale, d.handle, weights=d.weights)
+            return jax_ep.combine(expert(d, scale), d.handle, weights=d.weights)
         pending = jax_ep.dispatch_start(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
         x_side, pending = jax.lax.optimization_barrier((x, pending))
         side, pending = jax.lax.optimization_barrier((x_side @ m, pending))
         d = jax_ep.dispatch_finish(pending)
-        return jax_ep.combine_finish(jax_ep.combine_start(d.x * scale, d.handle, weights=d.weights)) + side
+        return jax_ep.combine_finish(jax_ep.combine_start(expert(d, scale), d.handle, weights=d.weights)) + side
 
     def body(x, idx, w, c, scale, m):
         def step(scale, s):
