@@ -25,6 +25,7 @@ struct BackwardParams {
   float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces;  // recv_pieces divides kSumWarps
+  Divisor fill_pieces;               // pieces of the rows whose dy is zeroed (FillPieces)
   Divisor peers, tokens;
   bool do_send, do_receive;
 };
@@ -234,14 +235,18 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     }
   }
 
-  // Rows that hold no slot, 32 rows per warp and round: dweights 0, and dy 0 inside the data (the ragged tail's dy
-  // is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
-  for (int64_t n0 = first_warp * 32; n0 < p.num_rows; n0 += warps * 32) {
-    const int64_t n = n0 + lane;
+  // Rows that hold no slot, an item per 32 rows and piece: dweights 0 (piece 0), and dy 0 inside the data (the
+  // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
+  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
+  for (int64_t item = first_warp; item < fill_items; item += warps) {
+    const UnitPiece up = SplitItem(item, p.fill_pieces);
+    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + lane;
     const int32_t slot = n < p.num_rows ? p.row_slot[n] : 0;
-    if (slot < 0 && with_dots) p.dweights[n] = 0.0f;
+    if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
+    int64_t begin, end;
+    PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
     for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
-      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
+      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
     }
   }
   FinishCall(g, call, arrival);
@@ -265,8 +270,10 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
   p.recv_pieces = Divisor(PiecesInBlock(PiecesPerRow(units, p.steps, g.max_blocks, kSumWarps)));
   p.peers = Divisor(R - 1);
   p.tokens = Divisor(p.num_tokens);
+  const int64_t groups = (p.num_rows + 31) / 32;
+  p.fill_pieces = Divisor(FillPieces(groups, CopySteps(p.row_bytes), g.max_blocks, kSumWarps));
   const int64_t send_items = p.num_tokens * (R - 1) * p.send_pieces.value;
-  const int64_t recv_items = std::max(units * p.recv_pieces.value, (p.num_rows + 31) / 32);
+  const int64_t recv_items = std::max(units * p.recv_pieces.value, groups * p.fill_pieces.value);
   const Status checked = CheckItems(std::max(send_items, recv_items));
   if (!checked.ok()) return checked;
   const auto launch = [&](bool send, bool receive, int64_t items) {

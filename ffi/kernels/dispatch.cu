@@ -39,6 +39,7 @@ struct DispatchParams {
   float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces, ranks, peers, tokens, align, experts_per_rank;
+  Divisor fill_pieces;  // pieces of the rows that FillRows zeroes (FillPieces)
   bool do_send, do_receive;
   int64_t scratch_words;  // 16-byte words of shared memory before the row tables: the routing's scratch
 };
@@ -233,9 +234,9 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
 }
 
 // One warp, rows n0 .. n0 + 31 (a lane each): those that hold no slot get weight 0, and inside the data (alignment
-// padding, the expert layout's unused rows) zeros in x and row_slot kNoSlot; the ragged tail keeps its x and gets
-// row_slot kPastData.
-__device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, int lane) {
+// padding, the expert layout's unused rows) zeros in piece `piece` of x and row_slot kNoSlot; the ragged tail keeps
+// its x and gets row_slot kPastData. Piece 0 writes the weights and row_slot.
+__device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, int piece, int lane) {
   const int32_t n = n0 + lane;
   bool empty = false, padding = false;
   if (n < p.num_rows) {
@@ -253,12 +254,14 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
       padding = empty = n - t.seg_start[lo] >= t.total[lo];
     }
   }
-  if (empty) {
+  if (empty && piece == 0) {
     p.weights[n] = 0.0f;
     p.row_slot[n] = padding ? kNoSlot : kPastData;
   }
+  int64_t begin, end;
+  PieceBytes(p.row_bytes, p.fill_pieces, piece, &begin, &end);
   for (unsigned mask = __ballot_sync(0xffffffffu, padding); mask != 0; mask &= mask - 1) {
-    CopyRow(nullptr, p.out_x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes, p.row_bytes, lane);
+    CopyRow(nullptr, p.out_x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
   }
 }
 
@@ -362,9 +365,11 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   BuildTables(p, g, call, scratch, tables);
   if (blockIdx.x == 0 && warp == 0) WriteCounts(p, g, scratch, tables, lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
-  for (int64_t item = first_warp; item < token_items + (p.num_rows + 31) / 32; item += warps) {
+  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
+  for (int64_t item = first_warp; item < token_items + fill_items; item += warps) {
     if (item >= token_items) {
-      FillRows(p, tables, static_cast<int32_t>(item - token_items) * 32, lane);
+      const UnitPiece up = SplitItem(item - token_items, p.fill_pieces);
+      FillRows(p, tables, up.unit * 32, up.piece, lane);
       continue;
     }
     const UnitPiece up = SplitItem(item, p.recv_pieces);
@@ -389,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
 }
 
 // The dispatch's checks and plan: its regions fit a staging half, each phase's pieces per row, and its warp
-// items (the receive phase also has one item per 32 layout rows).
+// items (the receive phase also has items of 32 layout rows, one per piece of them when rows may need zeros).
 Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t* recv_items) {
   Status status = CheckStaging(p->region.bytes, g);
   if (!status.ok()) return status;
@@ -401,7 +406,10 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
   p->tokens = Divisor(p->num_tokens);
   const int64_t positions = p->s.chunks > 1 ? (units + 31) / 32 : 0;  // token_dest_pos, a thread each
   *send_items = std::max(p->num_tokens * (g.num_ranks - 1) * p->send_pieces.value, positions);
-  *recv_items = units * p->recv_pieces.value + (p->num_rows + 31) / 32;
+  const int64_t groups = (p->num_rows + 31) / 32;
+  const bool zeroes = p->expert_layout || p->align.value > 1;  // only then can rows inside the data be empty
+  p->fill_pieces = Divisor(zeroes ? FillPieces(groups, steps, g.max_blocks) : 1);
+  *recv_items = units * p->recv_pieces.value + groups * p->fill_pieces.value;
   return CheckItems(std::max(*send_items, *recv_items));
 }
 
