@@ -185,10 +185,26 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     return;
   }
 
+  // Rows that hold no slot, an item per 32 rows and piece: dweights 0 (piece 0), and dy 0 inside the data (the
+  // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
+  // Before the receive loop: after it, this loop's values made ptxas spill that loop's registers.
+  const bool with_dots = p.dweights != nullptr;
+  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
+  for (int64_t item = first_warp; item < fill_items; item += warps) {
+    const UnitPiece up = SplitItem(item, p.fill_pieces);
+    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + lane;
+    const int32_t slot = n < p.num_rows ? p.row_slot[n] : 0;
+    if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
+    int64_t begin, end;
+    PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
+    for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
+      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
+    }
+  }
+
   // Every block runs the same rounds (the pieces of a token meet at __syncthreads to add their dots).
   const Divisor& pieces = p.recv_pieces;
   const int64_t items = R * T * pieces.value;
-  const bool with_dots = p.dweights != nullptr;
   float* my_dots = with_dots ? dots[warp] : nullptr;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += warps) {
     const int64_t item = base + warp;
@@ -235,20 +251,6 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     }
   }
 
-  // Rows that hold no slot, an item per 32 rows and piece: dweights 0 (piece 0), and dy 0 inside the data (the
-  // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
-  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
-  for (int64_t item = first_warp; item < fill_items; item += warps) {
-    const UnitPiece up = SplitItem(item, p.fill_pieces);
-    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + lane;
-    const int32_t slot = n < p.num_rows ? p.row_slot[n] : 0;
-    if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
-    int64_t begin, end;
-    PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
-    for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
-      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
-    }
-  }
   FinishCall(g, call, arrival);
 }
 
