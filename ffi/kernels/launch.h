@@ -23,7 +23,7 @@ constexpr int kMaxTopk = 64;         // a token's rows are sorted and held in sh
 constexpr int64_t kMaxExperts = 8192;  // the receivers' row tables live in shared memory
 
 // row_slot of a layout row that holds no slot: inside the data (alignment padding, the expert layout's unused
-// rows), whose x and dy are zeros, or past the data (the ragged tail), which no kernel writes but weights there.
+// rows), whose x and dy are zeros, or past the data (the ragged tail), whose x and dy no kernel writes.
 constexpr int32_t kNoSlot = -1;
 constexpr int32_t kPastData = -2;
 
