@@ -19,16 +19,15 @@ import jax_ep
 T, H, K, E = 6, 4, 3, 8
 
 
-def nan_tail(d: jax_ep.Dispatched) -> jax_ep.Dispatched:
-    """``d`` with every ragged row past ``sum(group_sizes)`` of ``d.x`` set to NaN (one rank, inside shard_map)."""
-    rows = jnp.arange(d.x.shape[0])[:, None]
-    return dataclasses.replace(d, x=jnp.where(rows < d.group_sizes.sum(), d.x, jnp.nan).astype(d.x.dtype))
-
-
 def _rows_past(rows: jax.Array, used: jax.Array) -> jax.Array:
     """``rows [N, ...]`` with every row at or past ``used`` set to NaN."""
     past = (jnp.arange(rows.shape[0]) >= used).reshape(-1, *[1] * (rows.ndim - 1))
     return jnp.where(past, jnp.nan, rows).astype(rows.dtype)
+
+
+def nan_tail(d: jax_ep.Dispatched) -> jax_ep.Dispatched:
+    """``d`` with every ragged row past ``sum(group_sizes)`` of ``d.x`` set to NaN (one rank, inside shard_map)."""
+    return dataclasses.replace(d, x=_rows_past(d.x, d.group_sizes.sum()))
 
 
 @jax.custom_vjp
