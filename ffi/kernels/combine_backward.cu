@@ -180,6 +180,14 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
+  // The warp's first item of the empty-row loop below reads row_slot (an input, which no peer writes) before the
+  // call check, so that the two loads overlap.
+  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
+  int32_t first_slot = 0;
+  if (p.do_receive && first_warp < fill_items) {
+    const int64_t n = static_cast<int64_t>(SplitItem(first_warp, p.fill_pieces).unit) * 32 + lane;
+    if (n < p.num_rows) first_slot = p.row_slot[n];
+  }
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
   const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
 
@@ -208,11 +216,10 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
   // Before the receive loop: after it, this loop's values made ptxas spill that loop's registers.
   const bool with_dots = p.dweights != nullptr;
-  const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
   for (int64_t item = first_warp; item < fill_items; item += warps) {
     const UnitPiece up = SplitItem(item, p.fill_pieces);
     const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + lane;
-    const int32_t slot = n < p.num_rows ? p.row_slot[n] : 0;
+    const int32_t slot = item == first_warp ? first_slot : (n < p.num_rows ? p.row_slot[n] : 0);
     if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
     int64_t begin, end;
     PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
