@@ -48,6 +48,7 @@ import json  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -67,6 +68,7 @@ from helpers import (  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep.bench.record import SOURCES, sources  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 UNIT = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff
@@ -687,15 +689,18 @@ def _git(*args: str) -> str | None:
 
 
 def source_version() -> dict[str, Any]:
-    """The commit, the git tree of jax_ep/ at it, and whether jax_ep/ differs from it (the code under test).
+    """The commit, the git tree of jax_ep/ at it, whether the library's sources (jax_ep/, ffi/ and the build
+    files) differ from it, and their hash (`sources`, record.source_hash), which names the code under test even
+    where git cannot.
 
     JAX_EP_COMMIT, where set (the device scripts set it: a copied tree's git may name another commit), is the
     commit."""
-    status = _git("status", "--porcelain", "--", "jax_ep")
+    status = _git("status", "--porcelain", "--", *SOURCES)
     return dict(
         commit=os.environ.get("JAX_EP_COMMIT") or _git("rev-parse", "--short", "HEAD") or "unknown",
         jax_ep_tree=_git("rev-parse", "--short", "HEAD:jax_ep") or "unknown",
         jax_ep_uncommitted=None if status is None else bool(status),
+        sources=sources(Path(__file__)),
     )
 
 
@@ -829,6 +834,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
         commit=sorted(set(_each(reports, "commit"))),
         jax_ep_tree=sorted(set(_each(reports, "jax_ep_tree", "unknown"))),
         jax_ep_uncommitted=sorted({str(v) for v in _each(reports, "jax_ep_uncommitted")}),
+        sources=sorted(set(_each(reports, "sources", "unknown"))),
         commands=[c for r in reports for c in r.get("commands", [r.get("command")])],
         campaign_seed=sorted(set(_each(reports, "campaign_seed"))),
         ranks=sorted({x for r in reports for x in r["ranks"]}),
@@ -882,7 +888,6 @@ def in_processes(args: argparse.Namespace, command: str) -> dict[str, Any]:
     the same campaign and checks its own rank's outputs. One report: the cases, and every mismatch with the
     process that saw it."""
     import tempfile
-    from pathlib import Path
 
     from jax_ep.bench.multiprocess import run_workers
 

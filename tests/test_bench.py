@@ -218,6 +218,50 @@ def test_gpu_tests_records_every_outcome(tmp_path):
     assert result["summary"] == {"passed": 1, "failure": 1, "error": 1, "skipped": 1}
     outcomes = {case["test"].split("::")[-1]: case["outcome"] for case in result["tests"]}
     assert outcomes == {"test_ok": "passed", "test_bad": "failure", "test_skip": "skipped", "test_error": "error"}
+    # run from another folder, as on a GPU machine: the hash is still the checkout's that holds the script
+    from jax_ep.bench.record import source_hash
+
+    assert result["sources"] == source_hash(ROOT)
+
+
+def test_sources_hash_names_the_code_that_ran(tmp_path):
+    """A copy of a commit's sources hashes like its checkout, whatever its git says; caches, built extensions and
+    files outside the sources do not count; any change to a source file's content or name does."""
+    from jax_ep.bench.record import SOURCES, checkout_root, source_hash
+
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    for folder in (repo / "jax_ep", repo / "ffi" / "kernels", copy):
+        folder.mkdir(parents=True)
+    (repo / "jax_ep" / "a.py").write_text("x = 1\n")
+    (repo / "ffi" / "kernels" / "k.cu").write_text("// kernel\n")
+    (repo / "CMakeLists.txt").write_text("project(x)\n")
+    (repo / "pyproject.toml").write_text("[project]\n")
+    (repo / "README.md").write_text("not a source\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True).stdout
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "sources")
+    subprocess.run(["tar", "-x", "-C", str(copy)], input=git("archive", "HEAD", *SOURCES), check=True)
+    base = source_hash(repo)
+    assert base is not None and source_hash(copy) == base
+
+    (repo / "jax_ep" / "__pycache__").mkdir()
+    (repo / "jax_ep" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")
+    (repo / "jax_ep" / "_ext.so").write_bytes(b"\0")
+    (repo / "README.md").write_text("changed\n")
+    assert source_hash(repo) == base
+    (copy / "ffi" / "kernels" / "k.cu").write_text("// kernel, changed\n")
+    assert source_hash(copy) not in (base, None)
+    (copy / "ffi" / "kernels" / "k.cu").write_text("// kernel\n")
+    assert source_hash(copy) == base
+    (copy / "ffi" / "kernels" / "k.cu").rename(copy / "ffi" / "kernels" / "l.cu")
+    assert source_hash(copy) not in (base, None)
+
+    assert checkout_root(repo / "ffi" / "kernels" / "k.cu") == repo.resolve()
+    assert checkout_root(tmp_path) is None and source_hash(tmp_path) is None
 
 
 @pytest.mark.parametrize("platform", ["cpu"])

@@ -266,6 +266,7 @@ def test_merged_reports_merge_again():
         time = dict(wall_s=float(cases), cases_per_s=1.0)
         return dict(
             backend="cuda", platform="gpu", jax_version="0", commit=commit, jax_ep_tree="t", jax_ep_uncommitted=False,
+            sources=f"s{commit}",
             command=f"run {seed}", campaign_seed=seed, ranks=[1], cases=cases, mismatching_cases=0,
             counts={"by_ranks": {"1": cases}}, time=time, mismatches=[], buckets=[],
         )  # fmt: skip
@@ -274,4 +275,5 @@ def test_merged_reports_merge_again():
     both = fuzz.merge([first, report(13, "c", 5)])
     assert both["cases"] == 12 and both["counts"]["by_ranks"] == {"1": 12}
     assert both["commit"] == ["a", "b", "c"] and both["campaign_seed"] == [11, 12, 13]
+    assert both["sources"] == ["sa", "sb", "sc"]
     assert [run["command"] for run in both["time"]["runs"]] == ["run 11", "run 12", "run 13"]

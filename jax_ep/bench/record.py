@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+# What the library is built from: a result's "sources" hash covers these, under the checkout's root.
+SOURCES = ("jax_ep", "ffi", "CMakeLists.txt", "pyproject.toml")
 
 
 def _nvidia_smi() -> list[str]:
@@ -22,8 +26,52 @@ def _nvidia_smi() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def source_hash(root: Path) -> str | None:
+    """A hash of the library's source files under `root` (SOURCES), by path and content, caches and built
+    extensions left out; None when it holds none of them. A copy of a tree hashes like a checkout of its commit,
+    so a result names the code that ran where git cannot: a GPU machine's copy of a working tree keeps the git
+    metadata of the session's start."""
+    files = []
+    for name in SOURCES:
+        path = root / name
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [
+                f
+                for f in path.rglob("*")
+                if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".so")
+            ]
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def checkout_root(start: Path | None = None) -> Path | None:
+    """The jax_ep checkout that holds `start` (default: the running script, else the working directory): the
+    nearest folder at or above it with both jax_ep/ and ffi/."""
+    starts = [start] if start is not None else [Path(sys.argv[0]) if sys.argv and sys.argv[0] else None, Path.cwd()]
+    for begin in starts:
+        if begin is None:
+            continue
+        for folder in [begin.resolve(), *begin.resolve().parents]:
+            if (folder / "jax_ep").is_dir() and (folder / "ffi").is_dir():
+                return folder
+    return None
+
+
+def sources(start: Path | None = None) -> str:
+    """source_hash of checkout_root(start), or "unknown"."""
+    root = checkout_root(start)
+    return (root and source_hash(root)) or "unknown"
+
+
 def provenance(command: str) -> dict:
-    """Who and what produced a result: the exact command, git commit, devices and library versions."""
+    """Who and what produced a result: the exact command, git commit, the hash of the sources that ran
+    (`sources`), devices and library versions."""
     import jax
 
     from jax_ep import _group
@@ -31,6 +79,7 @@ def provenance(command: str) -> dict:
     info = {
         "command": os.environ.get("JAX_EP_COMMAND") or command,
         "commit": os.environ.get("JAX_EP_COMMIT") or _git_commit(),
+        "sources": sources(),
         "devices": _nvidia_smi() or [str(d) for d in jax.devices()],
         "jax": jax.__version__,
         "python": sys.version.split()[0],
@@ -53,3 +102,7 @@ def write(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":  # python -m jax_ep.bench.record [ROOT]: the sources hash of a checkout or copy
+    print(sources(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
