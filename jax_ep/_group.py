@@ -207,9 +207,14 @@ def initialize(
 
     How rows travel between two GPUs of a group: with ``transport="auto"``,
     by stores over NVLink/P2P into each other's buffers when both are on one
-    host and can reach each other by P2P, and through NCCL otherwise (other
-    hosts, no P2P, or ``NCCL_P2P_DISABLE=1`` in the environment).
-    ``transport="nccl"`` sends every pair of distinct GPUs through NCCL.
+    host and reach each other by P2P both ways, and through NCCL otherwise
+    (other hosts, no P2P in either direction, or ``NCCL_P2P_DISABLE=1`` in
+    the environment). P2P is checked with ``cudaDeviceCanAccessPeer`` between
+    GPUs of one process, and between processes of one host by opening the
+    other GPU's CUDA IPC handles. Every process decides from the same facts,
+    swapped through the key-value store, so both GPUs of a pair always pick
+    the same transport. ``transport="nccl"`` sends every pair of distinct
+    GPUs through NCCL.
 
     Sizes are per rank, as seen inside ``shard_map``: ``num_tokens`` T,
     ``hidden`` H, ``topk`` K (at most 64), ``num_experts`` E, and the widest
@@ -312,17 +317,18 @@ def _connect(
             group_id, device.local_hardware_id, rank, len(groups[0]), staging, scratch, num_sms, timeout_s
         )
     client = _key_value_client() if len(processes) > 1 else None
-    by_nccl = _nccl_pairs(group_id, groups, local, transport, client, timeout_s)
-    handles = {}
-    if client is not None:
+    handles: dict[tuple[int, int], bytes] = {}  # (g, rank) of other processes' GPUs
+    if client is not None:  # before the transport decision: the other processes of this host probe them
         for g, rank, device in local:
             client.key_value_set_bytes(
                 _key(group_id, "handles", g, rank), _extension.export_handles(group_id, device.local_hardware_id)
             )
+    by_nccl = _nccl_pairs(group_id, groups, local, transport, client, timeout_s, handles)
+    if client is not None:
         for g in sorted({g for g, _, _ in local}):
             for rank, device in enumerate(groups[g]):
                 peer_stores = any(not by_nccl[g][mine][rank] for h, mine, _ in local if h == g)
-                if device.process_index != me and peer_stores:
+                if device.process_index != me and peer_stores and (g, rank) not in handles:
                     handles[g, rank] = _fetch(client, _key(group_id, "handles", g, rank), timeout_s, device, rank)
     for g, rank, device in local:
         ordinals = [d.local_hardware_id if d.process_index == me else -1 for d in groups[g]]
@@ -333,7 +339,11 @@ def _connect(
         ids = {g: _nccl_unique_id(group_id, groups[g], g, client, timeout_s) for g in nccl_groups}
         members = [(g, d) for g, _, d in local if g in ids]
         _extension.connect_nccl(
-            group_id, [d.local_hardware_id for _, d in members], [ids[g] for g, _ in members], int(timeout_s * 1000)
+            group_id,
+            [d.local_hardware_id for _, d in members],
+            [ids[g] for g, _ in members],
+            int(timeout_s * 1000),
+            _setup_ms(timeout_s),
         )
     sms = _extension.commit(group_id)
     if client is not None:
@@ -349,35 +359,63 @@ def _nccl_pairs(
     transport: str,
     client: Any,
     timeout_s: float,
+    handles: dict[tuple[int, int], bytes] | None = None,
 ) -> list[list[list[bool]]]:
-    """``[g][a][b]``: whether ranks a and b of group g swap rows through NCCL; the same in every process."""
+    """``[g][a][b]``: whether ranks a and b of group g swap rows through NCCL; the same in every process.
+
+    The processes swap facts in two rounds: first each one's host, whether it sends every pair through NCCL,
+    and the pairs of its own GPUs without P2P (``can_access_peer``); then, when some processes share a host,
+    the pairs whose other GPU is in another process of this host and whose IPC handles (published before
+    this) a GPU of this process failed to open (``can_open_handles``). ``handles`` receives the handles
+    fetched for those probes, keyed by ``(g, rank)``.
+    """
+    me = jax.process_index()
     force = transport == "nccl" or os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
     no_p2p = [
         [g, a, b]
         for g, a, d in local
         for h, b, e in local
-        if h == g and a != b and not _extension.can_access_peer(d.local_hardware_id, e.local_hardware_id)
+        if not force and h == g and a != b and not _extension.can_access_peer(d.local_hardware_id, e.local_hardware_id)
     ]
-    facts = {jax.process_index(): {"host": socket.gethostname(), "force": force, "no_p2p": no_p2p}}
+    facts = {me: {"host": socket.gethostname(), "force": force, "no_p2p": no_p2p}}
+    processes = sorted({d.process_index for group in groups for d in group})
     if client is not None:
-        client.key_value_set(_key(group_id, "facts", jax.process_index()), json.dumps(facts[jax.process_index()]))
-        for process in {d.process_index for group in groups for d in group} - set(facts):
-            key = _key(group_id, "facts", process)
-            try:
-                facts[process] = json.loads(client.blocking_key_value_get(key, _setup_ms(timeout_s)))
-            except Exception as error:  # the client raises its own error types
-                raise RuntimeError(
-                    f"jax_ep.initialize: process {process} did not call jax_ep.initialize within "
-                    f"{_setup_ms(timeout_s) // 1000} s ({error})"
-                ) from error
+        facts = _swap(client, group_id, "facts", facts[me], processes, timeout_s, "call jax_ep.initialize")
     if len({fact["force"] for fact in facts.values()}) > 1:
         raise ValueError(
             "jax_ep.initialize: the processes disagree on sending every pair through NCCL: pass the same "
             "transport everywhere and set NCCL_P2P_DISABLE alike in every process"
         )
-    missing = {tuple(pair) for fact in facts.values() for pair in fact["no_p2p"]}
     host = {process: fact["host"] for process, fact in facts.items()}
-    return [
+    if not force and len(set(host.values())) < len(host):  # some processes share a host: probe their pairs
+        handles = {} if handles is None else handles
+        failed = []
+        for g, a, d in local:
+            for b, e in enumerate(groups[g]):
+                if e.process_index == me or host[e.process_index] != host[me]:
+                    continue
+                if (g, b) not in handles:
+                    handles[g, b] = _fetch(client, _key(group_id, "handles", g, b), timeout_s, e, b)
+                if not _extension.can_open_handles(group_id, d.local_hardware_id, handles[g, b]):
+                    failed.append([g, a, b])
+        what = "finish probing P2P with the other processes of its host"
+        for process, pairs in _swap(client, group_id, "probes", failed, processes, timeout_s, what).items():
+            facts[process] = {**facts[process], "no_p2p": facts[process]["no_p2p"] + pairs}
+    return decide_transports(groups, facts, force)
+
+
+def decide_transports(groups: list[list[Any]], facts: dict[int, dict[str, Any]], force: bool) -> list[list[list[bool]]]:
+    """``[g][a][b]``: whether ranks a and b of group g (devices with a ``process_index``) swap rows through NCCL.
+
+    ``facts[process]`` holds the process's ``host`` and ``no_p2p``, the ``[g, a, b]`` it found without P2P
+    from a GPU of its own. Every process computes this from the same facts, so all agree. A pair goes
+    through NCCL when ``force``, when its GPUs are on different hosts, or when any process reported it
+    without P2P in either direction, so the answer is the same for (a, b) and (b, a).
+    """
+    missing = {(g, a, b) for fact in facts.values() for g, a, b in fact["no_p2p"]}
+    missing |= {(g, b, a) for g, a, b in missing}
+    host = {process: fact["host"] for process, fact in facts.items()}
+    routes = [
         [
             [
                 a != b and (force or host[d.process_index] != host[e.process_index] or (g, a, b) in missing)
@@ -387,6 +425,29 @@ def _nccl_pairs(
         ]
         for g, group in enumerate(groups)
     ]
+    for group in routes:
+        assert all(row[b] == group[b][a] for a, row in enumerate(group) for b in range(len(group))), "asymmetric"
+    return routes
+
+
+def _swap(
+    client: Any, group_id: int, name: str, mine: Any, processes: list[int], timeout_s: float, what: str
+) -> dict[int, Any]:
+    """Publishes this process's ``mine`` (JSON) under ``name``; returns every process's, waiting for each."""
+    me = jax.process_index()
+    client.key_value_set(_key(group_id, name, me), json.dumps(mine))
+    values = {me: mine}
+    for process in processes:
+        if process == me:
+            continue
+        try:
+            value = client.blocking_key_value_get(_key(group_id, name, process), _setup_ms(timeout_s))
+        except Exception as error:  # the client raises its own error types
+            raise RuntimeError(
+                f"jax_ep.initialize: process {process} did not {what} within {_setup_ms(timeout_s) // 1000} s ({error})"
+            ) from error
+        values[process] = json.loads(value)
+    return values
 
 
 def _nccl_unique_id(group_id: int, group: list[Any], g: int, client: Any, timeout_s: float) -> bytes:

@@ -174,6 +174,36 @@ Status Group::ExportHandles(int ordinal, std::string* handles) const {
   return Status::Ok();
 }
 
+Status Group::CanOpenHandles(int ordinal, const std::string& handles, bool* ok) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DeviceGuard guard;
+  *ok = false;
+  if (!devices_.count(ordinal)) {
+    return Status::Error(StatusCode::kFailedPrecondition, "jax_ep.initialize: GPU " + Str(ordinal) + " was not allocated");
+  }
+  if (handles.size() != sizeof(IpcHandles)) {
+    return Status::InvalidArgument("jax_ep.initialize: IPC handles must be " + Str(sizeof(IpcHandles)) +
+                                   " bytes, got " + Str(handles.size()));
+  }
+  IpcHandles peer;
+  handles.copy(reinterpret_cast<char*>(&peer), sizeof(peer));
+  cudaError_t status = cudaSetDevice(ordinal);
+  if (status != cudaSuccess) return CudaError("cudaSetDevice", ordinal, status);
+  void* staging = nullptr;
+  void* signals = nullptr;
+  cudaError_t opened = cudaIpcOpenMemHandle(&staging, peer.staging, cudaIpcMemLazyEnablePeerAccess);
+  if (opened == cudaSuccess) {
+    opened = cudaIpcOpenMemHandle(&signals, peer.signals, cudaIpcMemLazyEnablePeerAccess);
+    if (opened == cudaSuccess) status = cudaIpcCloseMemHandle(signals);
+    const cudaError_t closed = cudaIpcCloseMemHandle(staging);
+    if (status == cudaSuccess) status = closed;
+  }
+  if (opened != cudaSuccess) cudaGetLastError();  // not sticky: the answer is no, not an error
+  if (status != cudaSuccess) return CudaError("cudaIpcCloseMemHandle", ordinal, status);
+  *ok = opened == cudaSuccess;
+  return Status::Ok();
+}
+
 Status Group::Connect(int ordinal, const std::vector<RankAddress>& ranks) {
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceGuard guard;
@@ -249,7 +279,7 @@ Status Group::Connect(int ordinal, const std::vector<RankAddress>& ranks) {
 }
 
 Status Group::ConnectNccl(const std::vector<int>& ordinals, const std::vector<std::string>& unique_ids,
-                          int64_t timeout_ms) {
+                          int64_t timeout_ms, int64_t setup_timeout_ms) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (ordinals.size() != unique_ids.size()) {
     return Status::InvalidArgument("jax_ep.initialize: one NCCL unique id per GPU is needed");
@@ -266,7 +296,8 @@ Status Group::ConnectNccl(const std::vector<int>& ordinals, const std::vector<st
                      device.half_bytes, device.status});
   }
   std::vector<std::unique_ptr<NcclLink>> links;
-  Status error = NcclLink::Create(specs, std::chrono::milliseconds(timeout_ms), &links);
+  Status error = NcclLink::Create(specs, std::chrono::milliseconds(timeout_ms), std::chrono::milliseconds(setup_timeout_ms),
+                                  &links);
   for (size_t i = 0; i < links.size(); ++i) devices_[ordinals[i]]->nccl = std::move(links[i]);
   if (!error.ok()) return error;
   std::vector<NcclLink*> watched;  // fixed from here until Release, which stops the watchdog before freeing

@@ -65,12 +65,16 @@ class Group {
   Status Allocate(int ordinal, int rank, int num_ranks, int64_t staging_bytes, int64_t scratch_ints, int num_sms,
                   double timeout_s);
   Status ExportHandles(int ordinal, std::string* handles) const;
+  // *ok: whether this GPU can map the memory of another process's GPU from the handles ExportHandles gave there
+  // (closed again at once). False means no P2P between the two GPUs: the pair must go through NCCL.
+  Status CanOpenHandles(int ordinal, const std::string& handles, bool* ok) const;
   // Maps every rank into this GPU's address space (peer access or IPC), publishes the peer table, syncs.
   Status Connect(int ordinal, const std::vector<RankAddress>& ranks);
   // NCCL links of the connected GPUs whose groups have pairs that go through NCCL, all in one call;
-  // unique_ids[i] is the ncclUniqueId of ordinals[i]'s group. Starts the swaps' watchdog.
+  // unique_ids[i] is the ncclUniqueId of ordinals[i]'s group. NCCL's set-up waits up to setup_timeout_ms
+  // for the other processes, each swap up to timeout_ms. Starts the swaps' watchdog.
   Status ConnectNccl(const std::vector<int>& ordinals, const std::vector<std::string>& unique_ids,
-                     int64_t timeout_ms);
+                     int64_t timeout_ms, int64_t setup_timeout_ms);
   void Commit() { committed_ = true; }
   // Unmaps other processes' memory after synchronizing the devices (jax_ep.finalize puts a barrier between
   // this and Release, so no process frees memory another still maps).

@@ -180,6 +180,14 @@ NB_MODULE(_jax_ep_cuda, m) {
       },
       nb::arg("group"), nb::arg("ordinal"));
   m.def(
+      "can_open_handles",
+      [](int64_t id, int ordinal, const nb::bytes& handles) {
+        bool ok = false;
+        ThrowIfError(Group(id)->CanOpenHandles(ordinal, std::string(handles.c_str(), handles.size()), &ok));
+        return ok;
+      },
+      nb::arg("group"), nb::arg("ordinal"), nb::arg("handles"));
+  m.def(
       "connect",
       [](int64_t id, int ordinal, const std::vector<int>& ordinals, const std::vector<nb::bytes>& handles,
          const std::vector<bool>& by_nccl) {
@@ -203,14 +211,16 @@ NB_MODULE(_jax_ep_cuda, m) {
   });
   m.def(
       "connect_nccl",
-      [](int64_t id, const std::vector<int>& ordinals, const std::vector<nb::bytes>& unique_ids, int64_t timeout_ms) {
+      [](int64_t id, const std::vector<int>& ordinals, const std::vector<nb::bytes>& unique_ids, int64_t timeout_ms,
+         int64_t setup_timeout_ms) {
         std::vector<std::string> ids;
         for (const nb::bytes& unique_id : unique_ids) ids.emplace_back(unique_id.c_str(), unique_id.size());
         std::shared_ptr<jax_ep::Group> group = Group(id);
         nb::gil_scoped_release release;  // ncclCommInitRank waits for the other processes
-        ThrowIfError(group->ConnectNccl(ordinals, ids, timeout_ms));
+        ThrowIfError(group->ConnectNccl(ordinals, ids, timeout_ms, setup_timeout_ms));
       },
-      nb::arg("group"), nb::arg("ordinals"), nb::arg("unique_ids"), nb::arg("timeout_ms"));
+      nb::arg("group"), nb::arg("ordinals"), nb::arg("unique_ids"), nb::arg("timeout_ms"),
+      nb::arg("setup_timeout_ms"));
   m.def(
       "can_access_peer",
       [](int ordinal, int peer) {
