@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace jax_ep {
 namespace {
@@ -20,11 +21,43 @@ Status CudaError(const std::string& what, cudaError_t status) {
   return Status::Internal(what + " failed: " + cudaGetErrorString(status));
 }
 
+Status Timeout(const std::string& what, std::chrono::milliseconds timeout) {
+  return Status::Error(StatusCode::kDeadlineExceeded, what + " did not finish within the timeout (" +
+                                                          Str(timeout.count()) + " ms), so its NCCL communicator "
+                                                          "was aborted");
+}
+
+// A call a non-blocking communicator took: done (ncclSuccess) or going on in the background (ncclInProgress).
+bool Taken(ncclResult_t result) { return result == ncclSuccess || result == ncclInProgress; }
+
+// The state of the communicator's last operation: ncclInProgress while NCCL's background thread works on it.
+ncclResult_t StateOf(ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t result = ncclCommGetAsyncError(comm, &state);
+  return result == ncclSuccess ? state : result;
+}
+
+// Between polls: spins first (an enqueue takes microseconds), then sleeps, for a wait that runs to a timeout.
+void Pause(int polls) {
+  if (polls < 1000) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 }  // namespace
 
 Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::milliseconds timeout,
+                        std::chrono::milliseconds setup_timeout,
                         std::vector<std::unique_ptr<NcclLink>>* links) {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // NVLink multicast stays off unless the user chose
+  for (const Spec& spec : specs) {
+    if (spec.unique_id.size() != sizeof(ncclUniqueId)) {
+      return Status::InvalidArgument("jax_ep.initialize: an NCCL unique id must have " + Str(sizeof(ncclUniqueId)) +
+                                     " bytes, got " + Str(spec.unique_id.size()));
+    }
+  }
   int saved = 0;
   cudaGetDevice(&saved);
   for (const Spec& spec : specs) {
@@ -44,29 +77,31 @@ Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::millisecond
       return CudaError("jax_ep.initialize: the NCCL outbox and inbox of GPU " + Str(spec.ordinal), status);
     }
   }
-  ncclGroupStart();
+  // Non-blocking: ncclGroupEnd returns while NCCL inits (and later connects, enqueues) in the background.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t result = ncclGroupStart();
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& spec = specs[i];
     ncclUniqueId id;
-    if (spec.unique_id.size() != sizeof(id)) {
-      ncclGroupEnd();
-      cudaSetDevice(saved);
-      return Status::InvalidArgument("jax_ep.initialize: an NCCL unique id must have " + Str(sizeof(id)) +
-                                     " bytes, got " + Str(spec.unique_id.size()));
-    }
     std::memcpy(&id, spec.unique_id.data(), sizeof(id));
     cudaSetDevice(spec.ordinal);
-    ncclCommInitRank(&(*links)[i]->comm_, spec.num_ranks, id, spec.rank);
+    const ncclResult_t init = ncclCommInitRankConfig(&(*links)[i]->comm_, spec.num_ranks, id, spec.rank, &config);
+    if (Taken(result)) result = init;
   }
-  ncclResult_t result = ncclGroupEnd();
-  if (result != ncclSuccess) {
+  ncclResult_t end = ncclGroupEnd();
+  if (Taken(result)) result = end;
+  Status error = Settle(*links, result, "jax_ep.initialize: ncclCommInitRankConfig", setup_timeout,
+                        Clock::now() + setup_timeout);
+  if (!error.ok()) {
     cudaSetDevice(saved);
-    return NcclError("jax_ep.initialize: ncclCommInitRank", result, nullptr);
+    return error;
   }
   // Warm-up: NCCL connects peers on their first transfer, which must not happen during execution.
+  const std::string warm_up = "jax_ep.initialize: the NCCL warm-up swap";
+  const Clock::time_point deadline = Clock::now() + setup_timeout;
   std::vector<cudaStream_t> streams(specs.size(), nullptr);
-  Status error;
-  ncclGroupStart();
+  result = ncclGroupStart();
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& spec = specs[i];
     cudaSetDevice(spec.ordinal);
@@ -75,20 +110,78 @@ Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::millisecond
     NcclLink& link = *(*links)[i];
     for (int peer = 0; peer < spec.num_ranks; ++peer) {
       if (!ByNccl(spec.nccl_ranks, peer)) continue;
-      ncclSend(link.outbox_ + peer * region, region, ncclUint8, peer, link.comm_, streams[i]);
-      ncclRecv(link.inbox_ + peer * region, region, ncclUint8, peer, link.comm_, streams[i]);
+      const ncclResult_t send = ncclSend(link.outbox_ + peer * region, region, ncclUint8, peer, link.comm_, streams[i]);
+      const ncclResult_t recv = ncclRecv(link.inbox_ + peer * region, region, ncclUint8, peer, link.comm_, streams[i]);
+      if (Taken(result)) result = Taken(send) ? recv : send;
     }
   }
-  result = ncclGroupEnd();
-  if (result != ncclSuccess) error = NcclError("jax_ep.initialize: the NCCL warm-up swap", result, nullptr);
+  end = ncclGroupEnd();
+  if (Taken(result)) result = end;
+  error = Settle(*links, result, warm_up, setup_timeout, deadline);
+  // Then its transfers, polled as NCCL's docs poll a stream: the stream, and the communicator's async errors.
+  for (size_t i = 0, polls = 0; error.ok() && i < specs.size();) {
+    const cudaError_t status = cudaStreamQuery(streams[i]);
+    const ncclResult_t state = StateOf((*links)[i]->comm_);
+    if (status == cudaSuccess) {
+      ++i;
+    } else if (status != cudaErrorNotReady) {
+      error = AbortAll(*links, CudaError(warm_up, status), /*timed_out=*/false);
+    } else if (state != ncclSuccess) {
+      error = AbortAll(*links, NcclError(warm_up, state, (*links)[i]->comm_), /*timed_out=*/false);
+    } else if (Clock::now() >= deadline) {
+      error = AbortAll(*links, Timeout(warm_up, setup_timeout), /*timed_out=*/true);
+    } else {
+      Pause(polls++);
+    }
+  }
   for (size_t i = 0; i < specs.size(); ++i) {
     cudaSetDevice(specs[i].ordinal);
-    const cudaError_t status = cudaStreamSynchronize(streams[i]);
-    if (error.ok() && status != cudaSuccess) error = CudaError("jax_ep.initialize: the NCCL warm-up swap", status);
-    cudaStreamDestroy(streams[i]);
+    cudaStreamDestroy(streams[i]);  // does not wait: after an abort, freed once the aborted kernels return
   }
   cudaSetDevice(saved);
   return error;
+}
+
+Status NcclLink::Settle(const std::vector<std::unique_ptr<NcclLink>>& links, ncclResult_t result,
+                        const std::string& what, std::chrono::milliseconds timeout, Clock::time_point deadline) {
+  int polls = 0;
+  for (size_t i = 0; i < links.size() && Taken(result);) {
+    result = StateOf(links[i]->comm_);
+    if (result == ncclSuccess) {
+      ++i;
+    } else if (result == ncclInProgress) {
+      if (Clock::now() >= deadline) return AbortAll(links, Timeout(what, timeout), /*timed_out=*/true);
+      Pause(polls++);
+    }
+  }
+  if (Taken(result)) return Status::Ok();
+  return AbortAll(links, NcclError(what, result, nullptr), /*timed_out=*/false);
+}
+
+// NCCL requires every communicator of a failed group to be aborted. Nothing else uses them yet: no watchdog.
+Status NcclLink::AbortAll(const std::vector<std::unique_ptr<NcclLink>>& links, const Status& why, bool timed_out) {
+  for (const auto& link : links) {
+    std::lock_guard<std::mutex> lock(link->mutex_);
+    link->AbortLocked(why, timed_out);
+  }
+  return why;
+}
+
+Status NcclLink::AbortLocked(const Status& why, bool timed_out) {
+  if (aborted_) return failure_;
+  if (timed_out) {
+    volatile HostStatus* failed = status_;
+    if (failed->code == kOk) {
+      failed->peer = -1;
+      failed->reporter = rank_;
+      failed->call = failed->nccl_started;
+      failed->code = kNcclTimeout;
+    }
+  }
+  if (comm_ != nullptr) ncclCommAbort(comm_);  // its kernels return, so the stream moves on
+  aborted_ = true;
+  failure_ = why;
+  return why;
 }
 
 NcclLink::~NcclLink() {
@@ -97,7 +190,8 @@ NcclLink::~NcclLink() {
   cudaSetDevice(ordinal_);
   cudaDeviceSynchronize();
   // Abort frees this process's side without waiting for the other ranks; nothing is in flight by now
-  // (jax_ep.finalize puts a barrier between the processes first), or a rank is gone for good.
+  // (jax_ep.finalize puts a barrier between the processes first), or a rank is gone for good. An aborted
+  // communicator is freed already.
   if (comm_ != nullptr && !aborted_) ncclCommAbort(comm_);
   cudaFree(outbox_);
   cudaFree(inbox_);
@@ -105,25 +199,45 @@ NcclLink::~NcclLink() {
 }
 
 Status NcclLink::Swap(int64_t region_bytes, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_) {
-    return Status::Error(StatusCode::kDeadlineExceeded,
-                         "an earlier NCCL swap on this GPU timed out and its communicator was aborted");
+  const std::string what = "the NCCL swap (ncclSend/ncclRecv) of GPU " + Str(ordinal_);
+  const Clock::time_point deadline = Clock::now() + timeout_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (aborted_) {
+      return Status::Error(failure_.code, "the NCCL communicator of GPU " + Str(ordinal_) +
+                                              " was aborted after an earlier failure: " + failure_.message);
+    }
+    ncclResult_t result = ncclGroupStart();
+    for (int peer = 0; peer < num_ranks_; ++peer) {
+      if (!ByNccl(nccl_ranks_, peer)) continue;
+      const ncclResult_t send = ncclSend(outbox_ + peer * region_bytes, region_bytes, ncclUint8, peer, comm_, stream);
+      const ncclResult_t recv = ncclRecv(inbox_ + peer * region_bytes, region_bytes, ncclUint8, peer, comm_, stream);
+      if (Taken(result)) result = Taken(send) ? recv : send;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (Taken(result)) result = end;
+    if (result == ncclSuccess) return Status::Ok();  // on the stream already
+    if (result != ncclInProgress) return AbortLocked(NcclError(what, result, comm_), /*timed_out=*/false);
   }
-  ncclGroupStart();
-  for (int peer = 0; peer < num_ranks_; ++peer) {
-    if (!ByNccl(nccl_ranks_, peer)) continue;
-    ncclSend(outbox_ + peer * region_bytes, region_bytes, ncclUint8, peer, comm_, stream);
-    ncclRecv(inbox_ + peer * region_bytes, region_bytes, ncclUint8, peer, comm_, stream);
+  // NCCL enqueues in the background (connecting first if it must); the stream gets nothing else before it has.
+  // mutex_ is free between polls, so the watchdog may abort meanwhile: then this swap reports its failure.
+  for (int polls = 0;; ++polls) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (aborted_) return failure_;
+      const ncclResult_t state = StateOf(comm_);
+      if (state == ncclSuccess) return Status::Ok();
+      if (state != ncclInProgress) return AbortLocked(NcclError(what, state, comm_), /*timed_out=*/false);
+      if (Clock::now() >= deadline) return AbortLocked(Timeout(what, timeout_), /*timed_out=*/true);
+    }
+    Pause(polls);
   }
-  const ncclResult_t result = ncclGroupEnd();
-  if (result != ncclSuccess) return NcclError("the NCCL swap (ncclSend/ncclRecv)", result, comm_);
-  return Status::Ok();
 }
 
 void NcclLink::Check() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (aborted_) return;
+  // A swap holds mutex_ only inside NCCL calls that return at once (or while it aborts): the next poll looks.
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || aborted_) return;
   const volatile HostStatus* status = status_;
   const uint64_t started = status->nccl_started, done = status->nccl_done;
   if (started == done) {
@@ -137,15 +251,9 @@ void NcclLink::Check() {
     return;
   }
   if (now - pending_since_ <= timeout_) return;
-  volatile HostStatus* failed = status_;
-  if (failed->code == kOk) {
-    failed->peer = -1;
-    failed->reporter = rank_;
-    failed->call = started;
-    failed->code = kNcclTimeout;
-  }
-  ncclCommAbort(comm_);  // its kernels return, so the stream moves on
-  aborted_ = true;
+  AbortLocked(Timeout("an NCCL swap of GPU " + Str(ordinal_) + " (call " + Str(static_cast<int64_t>(started)) + ")",
+                      timeout_),
+              /*timed_out=*/true);
 }
 
 }  // namespace jax_ep

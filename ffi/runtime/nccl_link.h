@@ -18,6 +18,9 @@ namespace jax_ep {
 // A communicator over the whole group, the outbox the send kernels fill for the NCCL ranks and the inbox the
 // swaps fill, and a watch on the swaps: one still unfinished after the timeout aborts the communicator (which
 // ends its kernels) and records the failure, so the receive kernel gives up and the next call reports it.
+// The communicator is non-blocking (ncclConfig_t::blocking = 0): no NCCL call waits for another rank, the
+// work goes on in NCCL's background thread, and every wait for it is polled here up to the timeout, so an
+// abort can always end it (NCCL's fault-tolerance rule) and the watchdog never waits behind an NCCL call.
 class NcclLink {
  public:
   struct Spec {
@@ -31,16 +34,21 @@ class NcclLink {
   };
 
   // Communicators of several local GPUs, created in one NCCL group (one thread drives them all), then one
-  // swap of full regions with every NCCL rank and a synchronize, so no NCCL set-up is left for execution.
+  // swap of full regions with every NCCL rank, waited for, so no NCCL set-up is left for execution. The init
+  // and the warm-up each get `setup_timeout`, each later swap `timeout`; past it (or on an NCCL error) every
+  // communicator is aborted.
   static Status Create(const std::vector<Spec>& specs, std::chrono::milliseconds timeout,
+                       std::chrono::milliseconds setup_timeout,
                        std::vector<std::unique_ptr<NcclLink>>* links);
   ~NcclLink();
 
   // Enqueues the swap of one call on `stream`: region d of the outbox (region_bytes) goes to each NCCL rank d,
   // and its region lands in region d of the inbox. Sizes are fixed, so no count ever travels to the host.
+  // Returns once NCCL has put it on the stream, or aborts the communicator if that takes longer than the timeout.
   Status Swap(int64_t region_bytes, cudaStream_t stream);
   // The watchdog's poll: aborts the communicator once a swap has been unfinished for longer than the timeout.
   // The kernels report each swap's start and end in the host status, so captured swaps are watched too.
+  // Never blocks on an NCCL call: while a swap is being enqueued it leaves the check to the next poll.
   void Check();
 
   char* outbox() const { return outbox_; }
@@ -48,6 +56,15 @@ class NcclLink {
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  // Polls every link's communicator until the background work that `result` (what ncclGroupEnd returned)
+  // started is done; aborts them all on an error, or at `deadline` (`timeout` after the work began).
+  static Status Settle(const std::vector<std::unique_ptr<NcclLink>>& links, ncclResult_t result,
+                       const std::string& what, std::chrono::milliseconds timeout, Clock::time_point deadline);
+  static Status AbortAll(const std::vector<std::unique_ptr<NcclLink>>& links, const Status& why, bool timed_out);
+  // With mutex_ held: aborts comm_ (ncclCommAbort frees it: once aborted_, nothing uses comm_ again), records
+  // a timeout in the host status as the watchdog does, and returns `why`, which later swaps report.
+  Status AbortLocked(const Status& why, bool timed_out);
 
   int ordinal_ = -1;
   int rank_ = -1;
@@ -58,8 +75,9 @@ class NcclLink {
   char* inbox_ = nullptr;
   HostStatus* status_ = nullptr;
   std::chrono::milliseconds timeout_{0};
-  std::mutex mutex_;  // a swap being enqueued, the watchdog, and the abort exclude each other
+  std::mutex mutex_;  // one NCCL call on comm_ at a time (NCCL calls a swap makes, the watchdog's abort)
   bool aborted_ = false;
+  Status failure_;  // why comm_ was aborted
   uint64_t pending_call_ = 0;  // the swap the watchdog has seen unfinished, and since when
   Clock::time_point pending_since_;
 };
