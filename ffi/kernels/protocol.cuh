@@ -33,8 +33,10 @@ __device__ inline uint64_t LoadAcquire(const uint64_t* flag) {
   return value;
 }
 
-__device__ inline void StoreRelease(uint64_t* flag, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+// A store that peers see without ordering anything before it: raising several peers' flags takes one
+// __threadfence_system() first, not a release (a fence and a round trip) per store.
+__device__ inline void StoreRelaxed(uint64_t* flag, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
 __device__ inline uint64_t Volatile(const uint64_t* word) { return *reinterpret_cast<const volatile uint64_t*>(word); }
@@ -86,7 +88,8 @@ __device__ inline void Fail(const GroupView& g, const Call& call, int code, int 
   const uint64_t told = word | kRelayed;
   for (int r = 0; r < g.num_ranks; ++r) {
     if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;
-    atomicCAS_system(reinterpret_cast<unsigned long long*>(&g.peers->signals[r]->abort), 0ull, told);
+    // A plain store: PCIe P2P often lacks remote atomics, and any nonzero word stops the peer.
+    StoreRelaxed(&g.peers->signals[r]->abort, told);
   }
   __threadfence_system();
 }
@@ -192,8 +195,10 @@ __device__ inline void SignalSent(const GroupView& g, const Call& call, Phase ph
     __threadfence_system();
   }
   if (Aborted(g, call)) return;  // a block of this call gave up, or will: its data is not there
+  __threadfence_system();        // every block's stores (LastBlock's acquire) before any flag
   for (int r = 0; r < g.num_ranks; ++r) {
-    if (r != g.rank && !ByNccl(g.nccl_ranks, r)) StoreRelease(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
+    if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;
+    StoreRelaxed(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
   }
 }
 
