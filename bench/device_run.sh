@@ -1,52 +1,313 @@
 #!/usr/bin/env bash
-# On the GPU machine: build the extension, then run the GPU tests or the benchmarks (each fits one 10-minute
-# device call), writing results under $OUT (8 files at most: what the device tool brings back).
-#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh tests
-#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [python -m jax_ep.bench arguments; default --suite training --no-ragged]
-# Benchmarks: the given one (peer stores over NVLink), the training shape through NCCL (--transport nccl) and with
-# P2P off (--p2p-off), and one process per GPU with P2P and with P2P off.
+# The multi-GPU suite of backend "cuda": ONE device call on a machine of 1, 2, 4 or 8 GPUs, within 9 minutes.
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh                # the suite (same as: bash bench/device_run.sh suite)
+#   SUITE_GPUS=8 bash bench/device_run.sh plan                   # the plan for 8 GPUs, each step's limit; runs nothing
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh tests           # every GPU test file in full, nothing else
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [ARGS]    # python -m jax_ep.bench ARGS (default: --suite
+#                                                                # training --no-ragged), NCCL, P2P off, 1 process/GPU
+# The suite builds the extension (pip install -e .), then runs these steps in order, each under `timeout` (SIGINT,
+# SIGKILL 10 s later), its output in $OUT/logs/<step>.log, and prints PASS, FAIL or SKIP (with the reason) after each:
+#   topo              nvidia-smi topo -m, topo -p2p r/w/n/a, nvlink --status
+#   p2p               bench/p2p_matrix.py: can_access_peer of every pair of GPUs, from the built extension
+#   tests             1 GPU: every tests/test_cuda_*.py but the backend file (multiprocess: two processes sharing
+#                     GPU 0; reliability; trace; concurrency, whose meshes all skip); 2+ GPUs: the tests of
+#                     test_cuda_multiprocess.py that need 2 GPUs (one process per GPU, by peer stores and by NCCL;
+#                     a peer that never arrives). The one-GPU tests are the one-GPU suite's (SUITE_TESTS=all: all).
+#   tests_backend     tests/test_cuda_backend.py with a -k by GPU count (SUITE_BACKEND_K replaces it): 1 GPU: all of
+#                     it (the one_gpu group); 2-3 GPUs: the 2-GPU groups, peer stores ("auto") in full, NCCL ("nccl")
+#                     without its shape sweeps (matches_xla, fp8, combine_backward, small_sm, split_ops); 4+ GPUs: a
+#                     smoke of "auto" (the file uses 2 GPUs, which the 2-GPU suite covers).
+#   fuzz_r1           tests/fuzz.py, R=1 (cases until its time is up: --budget-s)
+#   fuzz_shared       1 GPU: R=2 as two processes sharing GPU 0 (--processes 2)
+#   fuzz_r2/r4/r8     R GPUs of one process (--ranks R), R <= GPUs. fuzz.py has no process-per-GPU mode: its
+#                     --processes puts every process on GPU 0; one process per GPU is covered by the tests step.
+#   concurrency       tests/test_cuda_concurrency.py on the meshes of all GPUs (ep2; ep4 + dp2xep2; ep8 + dp2xep4)
+#   bench             python -m jax_ep.bench --suite training --no-ragged: cuda and xla against the peer copy (none
+#                     on one GPU)
+#   ragged_one_shot   XLA's ragged_all_to_all round trip at the training shape with its one-shot kernel (2+ GPUs;
+#                     its NCCL send/recv fallback: `bash bench/device_run.sh bench` without --no-ragged)
+# A step that needs more GPUs than the machine has, or that the time left cannot hold, is a SKIP saying so.
+# Limits: each step has a nominal limit and a reserve; it runs for at most its nominal limit, and for less when the
+# deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
+# steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
+# SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1.
+# Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
+# file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
+# logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
+# back 8 files at most). The table is printed last; the exit status is 1 when a step failed.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export JAX_EP_COMMAND="bash bench/device_run.sh $*"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_ep_out}
-mkdir -p "$OUT"
-quiet() { grep -v -E "cuda_executor|Source Location|external/xla|^\s*@ 0x|^$|^===" | tee -a "$OUT/bench.log"; }
-nvidia-smi topo -m 2>&1 | quiet
-if ! python3 -m pip install --no-build-isolation --no-deps -v -e . > "$OUT/build.log" 2>&1; then
-  tail -60 "$OUT/build.log"
-  exit 1
-fi
-grep "jax_ep:" "$OUT/build.log" | quiet
-rm "$OUT/build.log"
-stage=${1:-tests}
+mode=${1:-suite}
 [ $# -gt 0 ] && shift
-if [ "$stage" = tests ]; then
+export JAX_EP_COMMAND="bash bench/device_run.sh $mode${*:+ $*}"
+mkdir -p "$OUT"
+
+build_quietly() {  # the editable build; its log to $1
+  python3 -m pip install --no-build-isolation --no-deps -v -e . > "$1" 2>&1
+}
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The older stages: the GPU test files in full, or the benchmarks (each one device call).
+if [ "$mode" = tests ] || [ "$mode" = bench ]; then
+  quiet() { grep -v -E "cuda_executor|Source Location|external/xla|^\s*@ 0x|^$|^===" | tee -a "$OUT/bench.log"; }
+  nvidia-smi topo -m 2>&1 | quiet
+  if ! build_quietly "$OUT/build.log"; then
+    tail -60 "$OUT/build.log"
+    exit 1
+  fi
+  grep "jax_ep:" "$OUT/build.log" | quiet
+  rm "$OUT/build.log"
+fi
+if [ "$mode" = tests ]; then
   # A short check of the NCCL path first: a hang there would otherwise eat the whole call.
   if ! timeout 150 python3 -m pytest -x -q tests/test_cuda_backend.py -k "nccl and (transport_asked or uniform-512)" \
       2>&1 | quiet; then
     echo "NCCL smoke test failed"
     exit 1
   fi
-  files=()  # those of this tree: later versions dropped some
-  for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py test_cuda_trace.py; do
-    [ -f "tests/$name" ] && files+=("tests/$name")
-  done
-  timeout 400 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" "${files[@]}" 2>&1 | grep -v "^\s*@ 0x" \
-    > "$OUT/tests.log"
+  timeout -s INT -k 10 420 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_*.py 2>&1 \
+    | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log"
   exit 0
 fi
-bench_args=("$@")
-[ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training --no-ragged)
-# Each result names this script and the exact benchmark command it ran.
-bench() {
-  local limit=$1 module=$2 out=$3
-  shift 3
-  JAX_EP_COMMAND="bash bench/device_run.sh bench: python -m $module OUT/$out $*" \
-    timeout "$limit" python3 -m "$module" "$OUT/$out" "$@" 2>&1 | quiet
+if [ "$mode" = bench ]; then
+  bench_args=("$@")
+  [ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training --no-ragged)
+  bench() {  # LIMIT MODULE OUT ARGS...: each result names this script and the exact benchmark command it ran
+    local limit=$1 module=$2 out=$3
+    shift 3
+    JAX_EP_COMMAND="bash bench/device_run.sh bench: python -m $module OUT/$out $*" \
+      timeout "$limit" python3 -m "$module" "$OUT/$out" "$@" 2>&1 | quiet
+  }
+  bench 300 jax_ep.bench bench.json "${bench_args[@]}"
+  bench 120 jax_ep.bench bench_transport_nccl.json --suite training --no-ragged --transport nccl
+  bench 120 jax_ep.bench bench_p2p_off.json --suite training --no-ragged --p2p-off
+  bench 120 jax_ep.bench.multiprocess multiprocess.json --timeout 110
+  bench 120 jax_ep.bench.multiprocess multiprocess_p2p_off.json --timeout 110 --p2p-off
+  exit 0
+fi
+if [ "$mode" != suite ] && [ "$mode" != plan ]; then
+  echo "usage: bash bench/device_run.sh [suite | plan | tests | bench [ARGS]]" >&2
+  exit 2
+fi
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The suite.
+DEADLINE=${SUITE_DEADLINE_S:-540}
+MIN_STEP_S=20      # a step whose limit would be shorter is skipped: no time left
+REPORT_S=10        # kept for the report and packing the logs
+LOGS=$OUT/logs
+STEPS_FILE=$LOGS/steps.jsonl
+SUITE_LOG=$OUT/suite.log
+
+gpu_count() {  # SUITE_GPUS, else the GPUs CUDA_VISIBLE_DEVICES names, else nvidia-smi's
+  if [ -n "${SUITE_GPUS:-}" ]; then
+    echo "$SUITE_GPUS"
+  elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .
+  else
+    local n
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    echo "${n:-0}"
+  fi
 }
-bench 300 jax_ep.bench bench.json "${bench_args[@]}"
-bench 120 jax_ep.bench bench_transport_nccl.json --suite training --no-ragged --transport nccl
-bench 120 jax_ep.bench bench_p2p_off.json --suite training --no-ragged --p2p-off
-bench 120 jax_ep.bench.multiprocess multiprocess.json --timeout 110
-bench 120 jax_ep.bench.multiprocess multiprocess_p2p_off.json --timeout 110 --p2p-off
+GPUS=$(gpu_count)
+
+PLAN_NAME=() PLAN_NOMINAL=() PLAN_RESERVE=() PLAN_EXPECT=() PLAN_SKIP=()
+plan() {  # NAME NOMINAL RESERVE EXPECTED [SKIP REASON]: a step of the suite, in order (seconds)
+  PLAN_NAME+=("$1") PLAN_NOMINAL+=("$2") PLAN_RESERVE+=("$3") PLAN_EXPECT+=("$4") PLAN_SKIP+=("${5:-}")
+}
+nogpu=$([ "$GPUS" -lt 1 ] && echo "no GPU visible (nvidia-smi lists none)")
+need() {  # COUNT [WHAT]: empty when the machine has COUNT GPUs, else why not
+  if [ -n "$nogpu" ]; then echo "$nogpu"; elif [ "$GPUS" -lt "$1" ]; then echo "needs $1 GPUs, have $GPUS${2:+; $2}"; fi
+}
+by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (each "nominal reserve expected")
+  if [ "$GPUS" -le 1 ]; then echo "$1"; elif [ "$GPUS" -le 3 ]; then echo "$2"; else echo "$3"; fi
+}
+# Nominal limit, reserve (kept free for the step by the steps before it) and expected seconds (for `plan`). The
+# one-GPU figures are from runs of the suite at 739ecb8 (+ working tree) on one H200: build 19 s on a fresh machine,
+# the whole suite 346 s (tests 62, tests_backend 126, fuzz_r1 53, fuzz_shared 52, bench 48); the others are
+# estimates. The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
+plan topo 20 5 1
+plan p2p 45 15 5 "$nogpu"
+# shellcheck disable=SC2046  # by_gpus gives three words
+plan tests $(by_gpus "150 60 65" "150 60 60" "150 60 60") "$nogpu"
+plan tests_backend $(by_gpus "300 60 130" "300 60 160" "90 30 40") "$nogpu"
+plan fuzz_r1 $(by_gpus "60 60 60" "30 30 30" "25 25 25") "$nogpu"
+shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
+plan fuzz_shared 60 60 60 "$shared_skip"
+plan fuzz_r2 $(by_gpus "60 60 60" "60 60 60" "35 35 35") "$(need 2)"
+plan fuzz_r4 $([ "$GPUS" -ge 8 ] && echo "40 40 40" || echo "50 50 50") "$(need 4)"
+plan fuzz_r8 60 60 60 "$(need 8)"
+plan concurrency $(by_gpus "100 60 30" "100 60 30" "160 80 60") \
+  "$(need 2 "the tests step ran tests/test_cuda_concurrency.py: each mesh skipped")"
+plan bench $(by_gpus "100 70 50" "120 60 70" "120 60 70") "$nogpu"
+plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
+
+limit_of() {  # INDEX START: the step's limit if it starts START seconds into the script
+  local i=$1 start=$2 reserve=0 j left
+  for ((j = i + 1; j < ${#PLAN_NAME[@]}; j++)); do
+    [ -z "${PLAN_SKIP[j]}" ] && reserve=$((reserve + PLAN_RESERVE[j]))
+  done
+  left=$((DEADLINE - start - reserve - REPORT_S - 10))  # 10: the SIGKILL grace of `timeout -k`
+  echo $((left < PLAN_NOMINAL[i] ? left : PLAN_NOMINAL[i]))
+}
+
+if [ "$mode" = plan ]; then  # the limits when every step takes its expected time, and when it takes its whole limit
+  build=${SUITE_PLAN_BUILD_S:-20}
+  echo "plan for $GPUS GPU(s), deadline $DEADLINE s, the build taking $build s (SUITE_PLAN_BUILD_S)"
+  printf "%-16s %7s %7s %8s | %21s | %21s\n" "" "" "" "" "steps take expected" "steps take the limit"
+  printf "%-16s %7s %7s %8s | %6s %6s %7s | %6s %6s %7s\n" step nominal reserve expected start limit status \
+    start limit status
+  fast=$build slow=$build
+  for i in "${!PLAN_NAME[@]}"; do
+    if [ -n "${PLAN_SKIP[i]}" ]; then
+      printf "%-16s %7s %7s %8s   SKIP: %s\n" "${PLAN_NAME[i]}" "${PLAN_NOMINAL[i]}" - - "${PLAN_SKIP[i]}"
+      continue
+    fi
+    cells=()
+    for walk in fast slow; do
+      t=${!walk}
+      limit=$(limit_of "$i" "$t")
+      if [ "$limit" -lt "$MIN_STEP_S" ]; then
+        cells+=("$t" "$limit" "no time")
+      else
+        took=$([ "$walk" = fast ] && [ "${PLAN_EXPECT[i]}" -lt "$limit" ] && echo "${PLAN_EXPECT[i]}" || echo "$limit")
+        cells+=("$t" "$limit" "$([ "$took" -lt "${PLAN_EXPECT[i]}" ] && echo "cut" || echo "runs")")
+        printf -v "$walk" %d $((t + took))
+      fi
+    done
+    printf "%-16s %7s %7s %8s | %6s %6s %7s | %6s %6s %7s\n" "${PLAN_NAME[i]}" "${PLAN_NOMINAL[i]}" \
+      "${PLAN_RESERVE[i]}" "${PLAN_EXPECT[i]}" "${cells[@]}"
+  done
+  echo "ends by $fast s (expected) or $slow s (every step at its limit), + $REPORT_S s for the report, of $DEADLINE"
+  exit 0
+fi
+
+rm -rf "$LOGS" "$OUT/suite.json" "$OUT/logs.tar.gz"
+mkdir -p "$LOGS"
+: > "$SUITE_LOG"
+say() { echo "$*" | tee -a "$SUITE_LOG"; }
+pack() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null; }
+record() {  # NAME RC SECONDS LIMIT RESULT [SKIP REASON]
+  local skip=()
+  [ $# -ge 6 ] && skip=(--skip "$6")
+  python3 bench/suite_report.py step "$STEPS_FILE" "$1" "$2" "$3" "$4" "$LOGS/$1.log" ${5:+--json "$5"} \
+    "${skip[@]}" 2>&1 | tee -a "$SUITE_LOG"
+}
+run_step() {  # NAME LIMIT RESULT COMMAND...: COMMAND under `timeout`, its output into logs/NAME.log
+  local name=$1 limit=$2 result=$3 start rc
+  shift 3
+  [ -n "$result" ] && rm -f "$result"
+  say "[${SECONDS} s] $name (limit $limit s): $(tr -s ' \n' ' ' <<< "$*" | cut -c1-240)"
+  start=$SECONDS
+  JAX_EP_COMMAND="bash bench/device_run.sh: $*" timeout -s INT -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1 < /dev/null
+  rc=$?
+  record "$name" "$rc" $((SECONDS - start)) "$limit" "$result"
+  pack
+}
+
+seed=${SUITE_FUZZ_SEED:-$(($(date +%s) % 100000))}
+say "jax_ep multi-GPU suite: $GPUS GPU(s); deadline $DEADLINE s;" \
+  "JAX_EP_COMMIT=${JAX_EP_COMMIT:-} (unset: suite.json names the git HEAD)"
+nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version --format=csv,noheader 2> /dev/null | tee -a "$SUITE_LOG"
+
+build_failed=""
+if [ "${SUITE_BUILD:-1}" = 0 ]; then
+  say "build: skipped (SUITE_BUILD=0): using the jax_ep that python3 imports"
+else
+  reserve=0
+  for i in "${!PLAN_NAME[@]}"; do [ -z "${PLAN_SKIP[i]}" ] && reserve=$((reserve + PLAN_RESERVE[i])); done
+  limit=$((DEADLINE - SECONDS - reserve - REPORT_S - 10))
+  limit=$((limit < ${SUITE_BUILD_S:-240} ? limit : ${SUITE_BUILD_S:-240}))
+  run_step build "$limit" "" python3 -m pip install --no-build-isolation --no-deps -v -e .
+  if ! tail -1 "$STEPS_FILE" | grep -q '"status": "PASS"'; then
+    build_failed="the build failed (logs/build.log)"
+    grep -v -E "^\s*$" "$LOGS/build.log" | tail -40 | tee -a "$SUITE_LOG"
+  else
+    grep "jax_ep:" "$LOGS/build.log" | tee -a "$SUITE_LOG"
+  fi
+fi
+
+largest=2  # the concurrency meshes over all GPUs: ep<p>, and dp2xep<p/2> from 4 GPUs
+while [ $((largest * 2)) -le "$GPUS" ] && [ "$largest" -lt 8 ]; do largest=$((largest * 2)); done
+concurrency_k="ep$largest$([ "$largest" -ge 4 ] && echo " or dp2xep$((largest / 2))")"
+if [ "${SUITE_TESTS:-}" = all ]; then
+  backend_k=""
+elif [ "$GPUS" -le 1 ]; then
+  backend_k=""
+elif [ "$GPUS" -le 3 ]; then
+  backend_k="not one_gpu and not (nccl and (matches_xla or fp8_dispatch or combine_backward or small_sm or split_ops))"
+else
+  backend_k="auto and (pairs_go or gradients or matches_xla and uniform and bf16 or many_calls)"
+fi
+backend_k=${SUITE_BACKEND_K-$backend_k}
+
+for i in "${!PLAN_NAME[@]}"; do
+  name=${PLAN_NAME[i]}
+  why=${PLAN_SKIP[i]}
+  [ -z "$why" ] && [ -n "$build_failed" ] && [ "$name" != topo ] && why=$build_failed
+  if [ -z "$why" ]; then
+    limit=$(limit_of "$i" "$SECONDS")
+    [ "$limit" -lt "$MIN_STEP_S" ] && why="no time left before the deadline of $DEADLINE s (its limit: $limit s)"
+  fi
+  if [ -n "$why" ]; then
+    record "$name" 0 0 0 "" "$why"
+    continue
+  fi
+  result=$LOGS/$name.json
+  case $name in
+    topo)
+      run_step topo "$limit" "" bash -c 'command -v nvidia-smi > /dev/null || { echo "SKIP: no nvidia-smi"; exit 77; }
+        nvidia-smi topo -m || exit 1
+        for m in r w n a; do echo; echo "nvidia-smi topo -p2p $m"; nvidia-smi topo -p2p $m || true; done
+        echo; nvidia-smi nvlink --status || true
+        echo; echo "nvidia-smi lists $(nvidia-smi -L | grep -c ^GPU) GPU(s)"' ;;
+    p2p)
+      run_step p2p "$limit" "$result" python3 bench/p2p_matrix.py "$result" ;;
+    tests)
+      if [ "$GPUS" -le 1 ] || [ "${SUITE_TESTS:-}" = all ]; then
+        files=()
+        for f in tests/test_cuda_*.py; do
+          [ "$f" = tests/test_cuda_backend.py ] || files+=("$f")
+        done
+        run_step tests "$limit" "$result" python3 bench/gpu_tests.py "$result" "${files[@]}"
+      else
+        run_step tests "$limit" "$result" python3 bench/gpu_tests.py "$result" tests/test_cuda_multiprocess.py \
+          -k "one_process_per_gpu or never_arrives"
+      fi ;;
+    tests_backend)
+      run_step tests_backend "$limit" "$result" python3 bench/gpu_tests.py "$result" tests/test_cuda_backend.py \
+        ${backend_k:+-k "$backend_k"} ;;
+    fuzz_r*)
+      ranks=${name#fuzz_r}
+      overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
+      budget=$((limit - overhead < 5 ? 5 : limit - overhead))
+      run_step "$name" "$limit" "$result" python3 tests/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
+        --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
+    fuzz_shared)
+      budget=$((limit - 15 < 5 ? 5 : limit - 15))  # two processes: 6 s more than at R=1
+      run_step fuzz_shared "$limit" "$result" python3 tests/fuzz.py --platform gpu --backend cuda --processes 2 \
+        --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
+    concurrency)
+      meshes=$([ "$largest" -ge 4 ] && echo 2 || echo 1)
+      each=$(((limit - 20) / meshes))
+      JAX_EP_CONCURRENCY_TIMEOUT_S=$((each < 90 ? 90 : each)) run_step concurrency "$limit" "$result" \
+        python3 bench/gpu_tests.py "$result" tests/test_cuda_concurrency.py -k "$concurrency_k" ;;
+    bench)
+      run_step bench "$limit" "$result" python3 -m jax_ep.bench "$result" --suite training --no-ragged --iters 20 ;;
+    ragged_one_shot)
+      run_step ragged_one_shot "$limit" "$result" python3 -m jax_ep.bench "$result" --ragged-flag true \
+        --ragged-tokens 4096 --hidden 7168 ;;
+    *)
+      record "$name" 0 0 0 "" "no command for this step (bench/device_run.sh)" ;;
+  esac
+done
+
+python3 bench/suite_report.py finish "$STEPS_FILE" "$OUT/suite.json" --gpus "$GPUS" --command "$JAX_EP_COMMAND" \
+  --wall "$SECONDS" --deadline "$DEADLINE" 2>&1 | tee -a "$SUITE_LOG"
+status=${PIPESTATUS[0]}
+pack
+[ "${SUITE_KEEP_LOGS:-0}" = 1 ] || rm -rf "$LOGS"
+exit "$status"
