@@ -223,6 +223,8 @@ def initialize(
     ``timeout_s`` for a peer gives up and tells every peer: that call's
     outputs hold NaN, and every later call of the group fails with an error
     naming the rank that never came, until ``initialize`` is called again.
+    The group's first call waits at least 300 s (or ``timeout_s``, if
+    longer), since processes may finish compiling minutes apart.
     ``num_sms`` caps the SMs each kernel occupies (one block of 1024 threads
     per SM), leaving the rest of the GPU to compute that overlaps; ``None``
     lets the kernels use every SM.
@@ -314,7 +316,15 @@ def _connect(
     local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
     for _, rank, device in local:
         _extension.allocate(
-            group_id, device.local_hardware_id, rank, len(groups[0]), staging, scratch, num_sms, timeout_s
+            group_id,
+            device.local_hardware_id,
+            rank,
+            len(groups[0]),
+            staging,
+            scratch,
+            num_sms,
+            timeout_s,
+            _setup_ms(timeout_s) / 1000,  # the first call: processes may finish compiling minutes apart
         )
     client = _key_value_client() if len(processes) > 1 else None
     handles: dict[tuple[int, int], bytes] = {}  # (g, rank) of other processes' GPUs

@@ -148,6 +148,8 @@ def peer_hangs(mesh, process_id):
     with jax.set_mesh(mesh):  # both compile: XLA shares autotuning results between the processes
         step = step.lower(x, idx, w).compile()
     print(f"process {process_id} compiled", flush=True)
+    with jax.set_mesh(mesh):  # the group's first call, which may wait the set-up timeout, together
+        jax.block_until_ready(step(x, idx, w))
     if process_id == 1:  # alive (it keeps sending heartbeats) but never enters the transfer
         client.blocking_key_value_get("peer_hangs/done", 120_000)
         return
@@ -193,6 +195,8 @@ def late_shared(mesh, process_id, timeout_s):
     with jax.set_mesh(mesh):  # both compile first: XLA shares autotuning results between the processes
         step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
     client.wait_at_barrier("late/compiled", 60_000)
+    assert not np.any(np.isnan(local(step(x, idx, w))))  # the first call, which may wait the set-up timeout
+    client.wait_at_barrier("late/first", 60_000)
     if process_id == 1:
         time.sleep(timeout_s + 2)  # a host stall past the group's timeout
     out = local(step(x, idx, w))
@@ -207,6 +211,29 @@ def late_shared(mesh, process_id, timeout_s):
     want_weights = reference_run(mesh, host, np.float32, **kw)[1]
     np.testing.assert_array_equal(again, want_weights)
     print("after initialize again: cuda == reference", flush=True)
+
+
+def skew_shared(mesh, process_id, timeout_s):
+    """Process 1 reaches the group's first call timeout_s + 2 s after process 0 (as after a slower compile): the
+    first call waits the set-up timeout, so both get the reference."""
+    client = distributed.global_state.client
+    kw = dict(num_experts=16, layout="ragged", capacity=None)
+    host = host_inputs(64, 256, 4, 16, np.float32, seed=7, messy=True)
+    x, idx, w = (global_array(mesh, a) for a in host)
+
+    def body(x, idx, w):
+        import jax_ep
+
+        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None]
+
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
+    client.wait_at_barrier("skew/compiled", 60_000)
+    if process_id == 1:
+        time.sleep(timeout_s + 2)
+    np.testing.assert_array_equal(local(step(x, idx, w)), reference_run(mesh, host, np.float32, **kw)[1])
+    GROUP[0].check()
+    print("first call after a skew: cuda == reference", flush=True)
 
 
 def wrong_rank_shared(mesh, process_id):
@@ -269,6 +296,8 @@ def dies_shared(mesh, process_id):
     with jax.set_mesh(mesh):
         step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
     client.wait_at_barrier("dies/compiled", 60_000)
+    local(step(x, idx, w))  # the group's first call, which may wait the set-up timeout, together
+    client.wait_at_barrier("dies/first", 60_000)
     if process_id == 1:
         print("process 1: dying without a word", flush=True)
         os._exit(3)
@@ -288,7 +317,7 @@ def main():
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
-    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared", "dies_shared") else 30.0
+    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared", "dies_shared", "skew_shared") else 30.0
     sizes = dict(num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     GROUP[0] = jax_ep.initialize(mesh, "ep", **sizes)
     if mode.startswith("compare"):
@@ -296,6 +325,8 @@ def main():
         compare(mesh, "reference" if mode == "compare_shared" else "xla")
     elif mode == "late_shared":
         late_shared(mesh, process_id, timeout_s)
+    elif mode == "skew_shared":
+        skew_shared(mesh, process_id, timeout_s)
     elif mode == "wrong_rank_shared":
         wrong_rank_shared(mesh, process_id)
     elif mode == "scan_shared":

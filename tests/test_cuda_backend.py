@@ -474,6 +474,8 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
     why = "gave up waiting for rank 1" if transport == "auto" else "did not finish within the timeout_s"
     try:
         group = jax_ep.initialize(mesh, "ep", **{**SIZES, "timeout_s": 0.5}, transport=transport)
+        x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=5)
+        _run(mesh, "cuda", x, idx, w, num_experts=16)  # the group's first call waits the set-up timeout
         rank0 = mesh.devices.flat[0]
         t, k, n, h = 4, 2, 8, 16
         args = [

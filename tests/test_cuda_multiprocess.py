@@ -63,6 +63,14 @@ def test_a_late_rank_fails_and_never_reads_stale_data(tmp_path):
 
 
 @require_cuda(min_gpus=1)
+def test_the_first_call_waits_out_a_compile_skew(tmp_path):
+    """Process 1 makes the group's first call timeout_s + 2 s late: it waits the set-up timeout, not timeout_s."""
+    for code, out in _run_pair("skew_shared", timeout=240, tmp_path=tmp_path):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert "first call after a skew: cuda == reference" in out
+
+
+@require_cuda(min_gpus=1)
 def test_a_mesh_in_another_device_order_is_an_error(tmp_path):
     """The group's ranks follow the mesh given to initialize; a call over the reversed mesh fails on both."""
     for code, out in _run_pair("wrong_rank_shared", timeout=180, tmp_path=tmp_path):

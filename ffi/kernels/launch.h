@@ -84,6 +84,7 @@ struct GroupView {
   const PeerTable* peers;  // device copy of every rank's staging and signals
   HostStatus* status;      // device address of the host-mapped status
   uint64_t timeout_ns;     // give up waiting for a peer after this long
+  uint64_t first_timeout_ns;  // ... in the group's first call: processes may finish compiling minutes apart
   uint64_t nccl_ranks;     // bit r: rank r is reached through NCCL, not by peer stores
   char* outbox;            // rows for NCCL ranks: region d goes to rank d (null without NCCL ranks)
   char* inbox;             // rows from NCCL ranks: region s came from rank s (the swap is stream-ordered)

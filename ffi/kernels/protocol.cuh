@@ -233,7 +233,7 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
           failed = 1;
           break;
         }
-        if (NowNs() - start > g.timeout_ns) {
+        if (NowNs() - start > (call.number == 1 ? g.first_timeout_ns : g.timeout_ns)) {
           Fail(g, call, kMissingPeer, peer, seen);
           failed = 1;
           break;

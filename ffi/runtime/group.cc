@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace jax_ep {
@@ -68,6 +69,7 @@ GroupView DeviceResources::View() const {
   view.peers = peers;
   view.status = status_on_device;
   view.timeout_ns = timeout_ns;
+  view.first_timeout_ns = first_timeout_ns;
   view.nccl_ranks = nccl_ranks;
   view.outbox = nccl ? nccl->outbox() : nullptr;
   view.inbox = nccl ? nccl->inbox() : nullptr;
@@ -115,7 +117,7 @@ std::string DeviceResources::Failure() const {
 }
 
 Status Group::Allocate(int ordinal, int rank, int num_ranks, int64_t staging_bytes, int64_t scratch_ints,
-                       int num_sms, double timeout_s) {
+                       int num_sms, double timeout_s, double first_timeout_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceGuard guard;
   if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
@@ -133,6 +135,7 @@ Status Group::Allocate(int ordinal, int rank, int num_ranks, int64_t staging_byt
   device->half_bytes = staging_bytes / 2;
   device->scratch_ints = scratch_ints;
   device->timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  device->first_timeout_ns = static_cast<uint64_t>(std::max(timeout_s, first_timeout_s) * 1e9);
   cudaError_t status = cudaSetDevice(ordinal);
   if (status != cudaSuccess) return CudaError("cudaSetDevice", ordinal, status);
   const Status prepared = PrepareKernels();

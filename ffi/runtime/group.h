@@ -24,6 +24,7 @@ struct DeviceResources {
   int64_t half_bytes = 0;                // each of the two staging halves
   int64_t scratch_ints = 0;
   uint64_t timeout_ns = 0;
+  uint64_t first_timeout_ns = 0;
   char* staging = nullptr;               // [2][half_bytes], written by peers
   Signals* signals = nullptr;            // flags, abort word, call count
   PeerTable* peers = nullptr;            // device copy of every rank's staging and signals
@@ -63,7 +64,7 @@ class Group {
   Group& operator=(const Group&) = delete;
 
   Status Allocate(int ordinal, int rank, int num_ranks, int64_t staging_bytes, int64_t scratch_ints, int num_sms,
-                  double timeout_s);
+                  double timeout_s, double first_timeout_s);
   Status ExportHandles(int ordinal, std::string* handles) const;
   // *ok: whether this GPU can map the memory of another process's GPU from the handles ExportHandles gave there
   // (closed again at once). False means no P2P between the two GPUs: the pair must go through NCCL.

@@ -166,11 +166,13 @@ NB_MODULE(_jax_ep_cuda, m) {
   m.def(
       "allocate",
       [](int64_t id, int ordinal, int rank, int num_ranks, int64_t staging_bytes, int64_t scratch_ints, int num_sms,
-         double timeout_s) {
-        ThrowIfError(Group(id)->Allocate(ordinal, rank, num_ranks, staging_bytes, scratch_ints, num_sms, timeout_s));
+         double timeout_s, double first_timeout_s) {
+        ThrowIfError(Group(id)->Allocate(ordinal, rank, num_ranks, staging_bytes, scratch_ints, num_sms, timeout_s,
+                                         first_timeout_s));
       },
       nb::arg("group"), nb::arg("ordinal"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("staging_bytes"),
-      nb::arg("scratch_ints"), nb::arg("num_sms"), nb::arg("timeout_s"));
+      nb::arg("scratch_ints"), nb::arg("num_sms"), nb::arg("timeout_s"),
+      nb::arg("first_timeout_s"));
   m.def(
       "export_handles",
       [](int64_t id, int ordinal) {
