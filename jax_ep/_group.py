@@ -109,11 +109,11 @@ def buffer_size_hint(
     their cotangents, and combine's partial sums (float32 with
     ``partial_dtype=jnp.float32``). Two halves, so a call never overwrites what
     a peer may still read of the call before:
-    ``2 * R * (16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``.
+    ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``.
     """
     local_experts = max(num_experts // num_ranks, 1)
     stride = -(-_row_bytes(hidden, dtype) // 16) * 16
-    region = 16 * -(-(local_experts + 1) // 4) + -(-num_tokens * topk * 12 // 16) * 16 + num_tokens * stride
+    region = 16 + 16 * -(-(local_experts + 1) // 4) + -(-num_tokens * topk * 12 // 16) * 16 + num_tokens * stride
     return 2 * num_ranks * region
 
 
@@ -226,8 +226,9 @@ def initialize(
     The group's first call waits at least 300 s (or ``timeout_s``, if
     longer), since processes may finish compiling minutes apart.
     ``num_sms`` caps the SMs each kernel occupies (one block of 1024 threads
-    per SM), leaving the rest of the GPU to compute that overlaps; ``None``
-    lets the kernels use every SM.
+    per SM), leaving the rest of the GPU to compute and collectives that run
+    beside the exchange; ``None``: all but 32 SMs (at least half) in a group
+    of several GPUs, every SM in a group of one.
 
     Calling it again for the same ``axis_name`` replaces that group.
     Returns the :class:`Group`; :func:`finalize` (or ``Group.finalize``)

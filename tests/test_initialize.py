@@ -43,13 +43,18 @@ def test_num_sms_must_be_a_positive_int():
 
 
 def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize):
-    """docs/api.md: ``2 * R * (16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``."""
+    """docs/api.md: ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``."""
     local = max(num_experts // num_ranks, 1)
     ceil16 = lambda n: -(-n // 16) * 16  # noqa: E731
     return (
         2
         * num_ranks
-        * (16 * math.ceil((local + 1) / 4) + ceil16(num_tokens * topk * 12) + num_tokens * ceil16(hidden * itemsize))
+        * (
+            16
+            + 16 * math.ceil((local + 1) / 4)
+            + ceil16(num_tokens * topk * 12)
+            + num_tokens * ceil16(hidden * itemsize)
+        )
     )
 
 

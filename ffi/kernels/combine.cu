@@ -20,7 +20,7 @@ struct CombineParams {
   const int32_t* axis_index;
   const int32_t *recv_rows, *recv_counts, *token_dest_pos, *slot_dest;
   int64_t num_tokens, hidden, topk;
-  int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
+  int width;  // elements a lane handles at once: CombineWide when the hidden size allows, else 1
   void* out;
   float* slot_values;
   float* sent;
@@ -61,10 +61,10 @@ __device__ int SortedRows(const int32_t* rows_by_k, int64_t topk, const float* w
 }
 
 // The float32 sum over the sorted rows of w * y[row][e : e + width], in row order.
-template <typename T>
+template <typename T, int kWide>
 __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* rows, const float* w, int count,
-                                  int64_t e, int width, float (&acc)[Wide<T>()]) {
-  constexpr int kWide = Wide<T>();
+                                  int64_t e, int width, float (&acc)[kWide]) {
+  using Raw = Chunk<kWide * sizeof(T)>;
 #pragma unroll
   for (int v = 0; v < kWide; ++v) acc[v] = 0.0f;
   if (width != kWide) {
@@ -73,10 +73,10 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
   constexpr int kLoadsInFlight = 4;
   for (int j0 = 0; j0 < count; j0 += kLoadsInFlight) {
-    uint4 raw[kLoadsInFlight];
+    Raw raw[kLoadsInFlight];
 #pragma unroll
     for (int m = 0; m < kLoadsInFlight; ++m) {
-      if (j0 + m < count) raw[m] = *reinterpret_cast<const uint4*>(y + rows[j0 + m] * hidden + e);
+      if (j0 + m < count) raw[m] = *reinterpret_cast<const Raw*>(y + rows[j0 + m] * hidden + e);
     }
 #pragma unroll
     for (int m = 0; m < kLoadsInFlight; ++m) {
@@ -91,7 +91,7 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
 // kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
 template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
-  constexpr int kWide = Wide<Y>();
+  constexpr int kWide = CombineWide<Y, P>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombine);
@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     const int64_t sources = kStageOwn ? R : R - 1;
-    if (may_run) {
-      for (int64_t item = first_warp; item < sources * T * p.send_pieces; item += warps) {
+    SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
+      if (!may_run) return;
+      for (int64_t item = static_cast<int64_t>(share) * kWarps + warp; item < sources * T * p.send_pieces;
+           item += warps) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
         const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
         const int source = static_cast<int>(kStageOwn || peer_index < me ? peer_index : peer_index + 1);
@@ -133,12 +135,11 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         }
         __syncwarp();
       }
-    }
-    SignalSent(g, call, phase);
+    });
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
-  if (!may_run || !WaitPeers(g, call)) {
+  if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
     Poison(p.out, T * H * static_cast<int64_t>(sizeof(Y)));
     Poison(p.slot_values, T * K * 4);
     FinishCall(g, call, arrival);
@@ -201,7 +202,7 @@ template <typename Y, typename P>
 Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream_t stream, Phase phase,
            bool stage_own) {
   const int R = g.num_ranks;
-  p.width = p.hidden % Wide<Y>() == 0 ? Wide<Y>() : 1;
+  p.width = p.hidden % CombineWide<Y, P>() == 0 ? CombineWide<Y, P>() : 1;
   const int64_t steps = SumSteps(p.hidden, p.width), sources = stage_own ? R : R - 1;
   p.send_pieces = PiecesPerRow(sources * p.num_tokens, steps, g.max_blocks);
   p.recv_pieces = PiecesPerRow(p.num_tokens, steps, g.max_blocks);
@@ -257,6 +258,23 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
                            : Run<__half, __half>(p, g, swap, stream, phase, c.stage_own);
   }
   return Status::InvalidArgument("unknown float type");
+}
+
+Status PrepareCombineKernels() {
+  return LoadKernels(
+      {
+          reinterpret_cast<const void*>(CombineKernel<float, float, false>),
+          reinterpret_cast<const void*>(CombineKernel<float, float, true>),
+          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, __nv_bfloat16, false>),
+          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, __nv_bfloat16, true>),
+          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, float, false>),
+          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, float, true>),
+          reinterpret_cast<const void*>(CombineKernel<__half, __half, false>),
+          reinterpret_cast<const void*>(CombineKernel<__half, __half, true>),
+          reinterpret_cast<const void*>(CombineKernel<__half, float, false>),
+          reinterpret_cast<const void*>(CombineKernel<__half, float, true>),
+      },
+      "CombineKernel");
 }
 
 }  // namespace jax_ep

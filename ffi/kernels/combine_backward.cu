@@ -193,19 +193,20 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
-    if (may_run) {
-      for (int64_t item = first_warp; item < T * (R - 1) * p.send_pieces.value; item += warps) {
+    SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
+      if (!may_run) return;
+      for (int64_t item = static_cast<int64_t>(share) * kSumWarps + warp; item < T * (R - 1) * p.send_pieces.value;
+           item += warps) {
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
         const int32_t pos = p.token_dest_pos[up.token * R + up.dest];
         if (pos < 0) continue;
         StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, up.token, up.dest, pos, p.send_pieces, up.piece, lane);
       }
-    }
-    SignalSent(g, call, phase);
+    });
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
-  if (!may_run || !WaitPeers(g, call)) {
+  if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
     Poison(p.dy, p.num_rows * p.row_bytes);
     Poison(p.dweights, p.num_rows * 4);
     FinishCall(g, call, arrival);
@@ -352,6 +353,13 @@ Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, c
       return Run<__half>(p, g, swap, stream, phase);
   }
   return Status::InvalidArgument("unknown float type");
+}
+
+Status PrepareCombineBackwardKernels() {
+  return LoadKernels({reinterpret_cast<const void*>(CombineBackwardKernel<float>),
+                      reinterpret_cast<const void*>(CombineBackwardKernel<__nv_bfloat16>),
+                      reinterpret_cast<const void*>(CombineBackwardKernel<__half>)},
+                     "CombineBackwardKernel");
 }
 
 }  // namespace jax_ep

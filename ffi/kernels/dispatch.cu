@@ -321,13 +321,14 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     if (!may_run && phase == Phase::kStart) PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
-    if (may_run) {
-      const int64_t first_thread = first_warp * 32 + lane;
-      for (int64_t i = first_thread; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
+    SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
+      if (!may_run) return;
+      const int64_t first = static_cast<int64_t>(share) * kWarps + warp;
+      for (int64_t i = first * 32 + lane; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
         const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
         p.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
       }
-      for (int64_t item = first_warp; item < T * (R - 1) * p.send_pieces.value; item += warps) {
+      for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += warps) {
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
         const int32_t t = up.token, dest = up.dest;
         const int32_t pos = TokenPos(p, scratch, R, t, dest);
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
           for (int64_t k = lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
         }
       }
-      if (blockIdx.x == 0 && warp == 0) {  // this rank's counts for each peer's local experts
+      if (share == 0 && warp == 0) {  // this rank's counts for each peer's local experts
         for (int dest = 0; dest < R; ++dest) {
           if (dest == me) continue;
           int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
@@ -349,12 +350,11 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
           if (lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
         }
       }
-    }
-    SignalSent(g, call, phase);
+    });
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
-  if (!may_run || !WaitPeers(g, call)) {
+  if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
     PoisonOutputs(p, R);
     FinishCall(g, call, arrival);
     return;
@@ -496,6 +496,8 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
 
 Status PrepareKernels() {
   Status status = PrepareRoutingKernel();
+  if (status.ok()) status = PrepareCombineKernels();
+  if (status.ok()) status = PrepareCombineBackwardKernels();
   if (!status.ok()) return status;
   for (const auto kernel : {DispatchKernel<false>, DispatchKernel<true>}) {
     const cudaError_t error =

@@ -38,6 +38,7 @@ enum FailCode : int32_t {
   kWrongRank = 3,    // lax.axis_index differed from the rank the group gave this GPU
   kNcclTimeout = 5,  // an NCCL swap did not finish within the timeout (the watchdog aborted the communicator)
   kSplitOpen = 6,    // a call met a split op's start without its finish (or a finish without its start)
+  kStaleRegion = 7,  // the region `peer` sent through NCCL lacked this call's tag: that rank gave up on the call
 };
 
 // What one launch of a transfer does: the whole call, or one half of a split op. A start sends and leaves the
@@ -50,9 +51,11 @@ struct Signals {
   uint64_t abort;               // 0, or AbortWord(code, reporter, peer): the group is out of step
   uint64_t calls;               // calls of the group completed on this GPU
   uint64_t open;                // tag of the call whose start ran and whose finish has not, else 0
-  uint32_t send_done;           // last-block detection of a kernel's send phase
+  uint32_t send_next;           // the next share of a send phase to claim (SendShares)
+  uint32_t send_done;           // shares of a send phase finished (last-share detection)
   uint32_t kernel_done;         // blocks of a call's last launch that have checked the call (ArriveCall)
   uint32_t routing_done;        // ... of the routing kernel
+  uint32_t reported;            // 1 once a thread claimed the host status (Report)
 };
 
 // Pinned host memory, mapped for the kernels: the first failure on this GPU, for the handlers and Group.check.
@@ -119,27 +122,30 @@ struct Divisor {
 
 JAX_EP_HOST_DEVICE inline bool ByNccl(uint64_t nccl_ranks, int rank) { return (nccl_ranks >> rank) & 1; }
 
+// Every region starts with 16 bytes whose first 8 hold the call's tag when it travels through NCCL.
+constexpr int64_t kRegionHeader = 16;
+
 // Bytes of one source's region of a staging half for a dispatch of T tokens of `row_bytes` (K slots, L local
-// experts): its L + 1 counts, K (expert, rank, weight) triples per token, then the token rows.
+// experts): the header, its L + 1 counts, K (expert, rank, weight) triples per token, then the token rows.
 struct DispatchRegion {
   int64_t counts = 0, meta = 0, rows = 0, stride = 0, bytes = 0;
   DispatchRegion() = default;
   DispatchRegion(int64_t num_tokens, int64_t topk, int64_t local_experts, int64_t row_bytes) {
-    counts = 0;
-    meta = (local_experts + 1 + 3) / 4 * 16;
+    counts = kRegionHeader;
+    meta = counts + (local_experts + 1 + 3) / 4 * 16;
     rows = meta + (num_tokens * topk * 12 + 15) / 16 * 16;
     stride = (row_bytes + 15) / 16 * 16;
     bytes = rows + num_tokens * stride;
   }
 };
 
-// ... for a combine: K slot values per token (the backward pass of dispatch), then the partial sums.
+// ... for a combine: the header, K slot values per token (the backward pass of dispatch), then the partial sums.
 struct CombineRegion {
   int64_t values = 0, rows = 0, stride = 0, bytes = 0;
   CombineRegion() = default;
   CombineRegion(int64_t num_tokens, int64_t topk, int64_t partial_row_bytes) {
-    values = 0;
-    rows = (num_tokens * topk * 4 + 15) / 16 * 16;
+    values = kRegionHeader;
+    rows = values + (num_tokens * topk * 4 + 15) / 16 * 16;
     stride = (partial_row_bytes + 15) / 16 * 16;
     bytes = rows + num_tokens * stride;
   }
@@ -220,8 +226,10 @@ struct CombineCall {
 Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
                      Phase phase);
 
-// Sets the kernels' shared-memory limits; once per process, before any launch.
+// Sets the kernels' shared-memory limits and loads every kernel; once per process, before any launch.
 Status PrepareKernels();
+Status PrepareCombineKernels();
+Status PrepareCombineBackwardKernels();
 
 // A split dispatch's start with nothing to send (a group of one GPU, a routing of one chunk) is the routing
 // kernel alone: it checks the call, writes link (0) and leaves the call open, as the send kernel would.

@@ -1,8 +1,12 @@
 // The transfer protocol, written once: every call of a group, on every GPU, is
-//   send:    stores into each peer's staging half (call parity), then the last block raises this rank's flag
-//            flag[parity][me] = tag on every peer, tag = (call number << 8 | op);
-//   receive: every block waits until each peer's flag equals the tag exactly, reads its own staging half,
-//            and the last block to check the call counts it done.
+//   send:    stores into each peer's staging half (call parity), then whichever block finishes the last share of
+//            the send work raises this rank's flag flag[parity][me] = tag on every peer, tag = (call number << 8 |
+//            op), and writes the tag at the head of each region bound for a rank reached through NCCL;
+//   receive: every block waits until each peer's flag equals the tag exactly (and each NCCL region carries it),
+//            reads its own staging half, and the last block to check the call counts it done.
+// The send work comes in shares that resident blocks claim (SendShares), so a rank's flags never wait for blocks
+// that cannot start while other kernels, such as XLA's collectives, hold SMs: one resident block per GPU is enough
+// for every call to progress.
 // The two phases are one launch, or two (ranks reached through NCCL, whose swap goes in between, and the split
 // ops: a start leaves its call open in Signals::open until its finish; any other call meanwhile gives up).
 // A call writes the half of its parity, which every peer last read two calls ago: a peer's flag for this
@@ -27,11 +31,14 @@ __device__ inline uint64_t NowNs() {
   return t;
 }
 
-__device__ inline uint64_t LoadAcquire(const uint64_t* flag) {
+// A poll that leaves L1 alone (an acquire load invalidates all of L1 on every spin): once it sees the value it
+// waits for, FenceAcquire() orders the reads after it.
+__device__ inline uint64_t LoadRelaxed(const uint64_t* flag) {
   uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
   return value;
 }
+__device__ inline void FenceAcquire() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // A store that peers see without ordering anything before it: raising several peers' flags takes one
 // __threadfence_system() first, not a release (a fence and a round trip) per store.
@@ -61,10 +68,11 @@ __device__ inline Call CurrentCall(const GroupView& g, int op) {
   return Call{number, static_cast<int>(number & 1), (number << 8) | static_cast<uint64_t>(op), op};
 }
 
-// Writes the host status from the abort word, once per GPU (the first block to get here).
+// Writes the host status from the abort word, once per GPU: the first thread to claim Signals::reported, unless
+// the watchdog wrote it first.
 __device__ inline void Report(const GroupView& g, const Call& call, uint64_t word, uint64_t seen) {
   volatile HostStatus* status = g.status;
-  if (status->code != 0) return;
+  if (status->code != 0 || atomicCAS(&g.signals->reported, 0u, 1u) != 0u) return;
   status->peer = static_cast<int32_t>(word & 0xffff);
   status->reporter = static_cast<int32_t>((word >> 16) & 0xffff);
   status->op = call.op;
@@ -94,14 +102,14 @@ __device__ inline void Fail(const GroupView& g, const Call& call, int code, int 
   __threadfence_system();
 }
 
-// True when the group is out of step (this GPU's abort word, read as `word`, is set, or, with NCCL ranks, the
-// watchdog recorded a failed swap); the host status then says why.
-__device__ inline bool Aborted(const GroupView& g, const Call& call, uint64_t word) {
+// True when the group is out of step (this GPU's abort word, read as `word`, is set, or, with NCCL ranks and
+// `host`, the watchdog recorded a failed swap); the host status then says why.
+__device__ inline bool Aborted(const GroupView& g, const Call& call, uint64_t word, bool host = true) {
   if (word != 0) {
     Report(g, call, word, 0);
     return true;
   }
-  if (g.nccl_ranks == 0) return false;
+  if (g.nccl_ranks == 0 || !host) return false;
   const volatile HostStatus* status = g.status;
   if (status->code == 0) return false;
   // The watchdog recorded a failed NCCL swap on the host: set the abort word too, so that this GPU's later
@@ -179,26 +187,70 @@ __device__ inline bool LastBlock(uint32_t* counter) {
   return last;
 }
 
-// Every block ends its send phase here; the last one leaves a start's call open (once every block has checked
-// that none was: CallMayRun), raises this rank's flag on every peer-store rank and, when NCCL ranks follow,
-// tells the watchdog that a swap is about to be enqueued. A group of one rank has nobody to tell: its start
-// only leaves the call open, for its finish, a later kernel on this GPU.
-__device__ inline void SignalSent(const GroupView& g, const Call& call, Phase phase) {
-  if (g.num_ranks == 1 && phase == Phase::kWhole) return;
-  const bool last = g.num_ranks == 1 ? LastBlock<Fence::kNone>(&g.signals->send_done)
-                                     : LastBlock<Fence::kSystem>(&g.signals->send_done);
-  if (!last || threadIdx.x != 0) return;
-  if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
-  if (g.num_ranks == 1) return;
+// Where rank `source`'s region of this call is on this GPU: in the staging half of the call's parity, or for
+// a rank reached through NCCL, in the inbox the swap filled.
+__device__ inline const char* RegionFrom(const GroupView& g, const Call& call, int source, int64_t region_bytes) {
+  if (ByNccl(g.nccl_ranks, source)) return g.inbox + source * region_bytes;
+  return g.staging + call.parity * g.half_bytes + source * region_bytes;
+}
+
+// Where this rank stores its region for rank `dest`: in dest's staging half, or for a rank reached through
+// NCCL, in region `dest` of this GPU's outbox, which the swap delivers.
+__device__ inline char* RegionAt(const GroupView& g, const Call& call, int dest, int64_t region_bytes) {
+  if (ByNccl(g.nccl_ranks, dest)) return g.outbox + dest * region_bytes;
+  return g.peers->staging[dest] + call.parity * g.half_bytes + g.rank * region_bytes;
+}
+
+// The flags of a call whose send work every share finished: with NCCL ranks, first tells the watchdog that a swap
+// is about to be enqueued; then, unless the group gave up, raises this rank's flag on every peer-store rank and
+// writes the tag at the head of each outbox region (a rank that gave up sends its stale region, which the
+// receiver then refuses: WaitPeers).
+__device__ inline void RaiseFlags(const GroupView& g, const Call& call, int64_t region_bytes) {
   if (g.nccl_ranks != 0) {  // the swap follows this kernel whatever happened: the watchdog watches it
     reinterpret_cast<volatile HostStatus*>(g.status)->nccl_started = call.number;
     __threadfence_system();
   }
-  if (Aborted(g, call)) return;  // a block of this call gave up, or will: its data is not there
-  __threadfence_system();        // every block's stores (LastBlock's acquire) before any flag
+  if (Aborted(g, call)) return;  // a share of this call gave up, or will: its data is not there
+  __threadfence_system();        // every share's stores (LastBlock's acquire) before any flag
   for (int r = 0; r < g.num_ranks; ++r) {
-    if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;
-    StoreRelaxed(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
+    if (r == g.rank) continue;
+    if (ByNccl(g.nccl_ranks, r)) {
+      *reinterpret_cast<uint64_t*>(RegionAt(g, call, r, region_bytes)) = call.tag;  // the swap is stream-ordered
+    } else {
+      StoreRelaxed(&g.peers->signals[r]->flag[call.parity][g.rank], call.tag);
+    }
+  }
+}
+
+// A launch's send phase: work(share) does what block `share` of the grid would send (use it, not blockIdx.x, for
+// any split of the send work). With peers, resident blocks claim shares (Signals::send_next) until none remain,
+// and whoever finishes the last one raises the flags; the last claim, made once every block has checked the call
+// (CallMayRun), rearms the counter and leaves a start's call open. A group of one rank waits for nobody: each block
+// does its own share, and a start only leaves the call open, for its finish, a later kernel on this GPU.
+template <typename Work>
+__device__ inline void SendShares(const GroupView& g, const Call& call, Phase phase, int64_t region_bytes, Work work) {
+  if (g.num_ranks == 1) {
+    work(blockIdx.x);
+    if (phase == Phase::kStart && LastBlock<Fence::kNone>(&g.signals->send_done) && threadIdx.x == 0) {
+      *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+    }
+    return;
+  }
+  __shared__ uint32_t claimed;
+  for (;;) {
+    __syncthreads();  // every thread has read the claim before
+    if (threadIdx.x == 0) claimed = atomicAdd(&g.signals->send_next, 1u);
+    __syncthreads();
+    const uint32_t share = claimed;
+    if (share >= gridDim.x) {
+      if (threadIdx.x == 0 && share == 2 * gridDim.x - 1) {  // each block's one failed claim: this is the last
+        g.signals->send_next = 0;
+        if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+      }
+      return;
+    }
+    work(share);
+    if (LastBlock<Fence::kSystem>(&g.signals->send_done) && threadIdx.x == 0) RaiseFlags(g, call, region_bytes);
   }
 }
 
@@ -210,18 +262,26 @@ __device__ inline void NoteSwapDone(const GroupView& g, const Call& call) {
 }
 
 // Every block, before it reads its staging half: waits until every peer-store rank's data for this call has
-// landed (NCCL ranks' data landed before the kernel started). False when the call gives up.
-__device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
+// landed, and checks that every region from an NCCL rank (landed before the kernel started) carries this call's
+// tag. False when the call gives up.
+__device__ inline bool WaitPeers(const GroupView& g, const Call& call, int64_t region_bytes) {
   if (g.num_ranks == 1) return true;  // nobody to wait for, and nobody else writes the abort word CallMayRun read
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   const int peer = threadIdx.x;
-  if (peer < g.num_ranks && peer != g.rank && !ByNccl(g.nccl_ranks, peer)) {
+  if (peer < g.num_ranks && peer != g.rank && ByNccl(g.nccl_ranks, peer)) {
+    const uint64_t seen = __ldcg(reinterpret_cast<const unsigned long long*>(RegionFrom(g, call, peer, region_bytes)));
+    if (seen != call.tag) {
+      Fail(g, call, kStaleRegion, peer, seen);
+      failed = 1;
+    }
+  } else if (peer < g.num_ranks && peer != g.rank) {
     const uint64_t* flag = &g.signals->flag[call.parity][peer];
     const uint64_t start = NowNs();
+    const uint64_t timeout = call.number == 1 ? g.first_timeout_ns : g.timeout_ns;
     for (uint32_t spin = 0;; ++spin) {
-      const uint64_t seen = LoadAcquire(flag);
+      const uint64_t seen = LoadRelaxed(flag);
       if (seen == call.tag) break;
       if ((seen >> 8) >= call.number) {
         Fail(g, call, kOutOfOrder, peer, seen);
@@ -229,18 +289,19 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call) {
         break;
       }
       if (spin % 32 == 31) {
-        if (Aborted(g, call)) {
+        // The host status (NCCL ranks' watchdog) is read over PCIe: only every 1024 spins.
+        if (Aborted(g, call, Volatile(&g.signals->abort), spin % 1024 == 1023)) {
           failed = 1;
           break;
         }
-        if (NowNs() - start > (call.number == 1 ? g.first_timeout_ns : g.timeout_ns)) {
+        if (NowNs() - start > timeout) {
           Fail(g, call, kMissingPeer, peer, seen);
           failed = 1;
           break;
         }
       }
     }
-    __threadfence();
+    FenceAcquire();
   }
   if (threadIdx.x == 0 && Aborted(g, call)) failed = 1;
   __syncthreads();
@@ -262,20 +323,6 @@ __device__ inline void FinishCall(const GroupView& g, const Call& call, uint32_t
     *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
   }
-}
-
-// Where rank `source`'s region of this call is on this GPU: in the staging half of the call's parity, or for
-// a rank reached through NCCL, in the inbox the swap filled.
-__device__ inline const char* RegionFrom(const GroupView& g, const Call& call, int source, int64_t region_bytes) {
-  if (ByNccl(g.nccl_ranks, source)) return g.inbox + source * region_bytes;
-  return g.staging + call.parity * g.half_bytes + source * region_bytes;
-}
-
-// Where this rank stores its region for rank `dest`: in dest's staging half, or for a rank reached through
-// NCCL, in region `dest` of this GPU's outbox, which the swap delivers.
-__device__ inline char* RegionAt(const GroupView& g, const Call& call, int dest, int64_t region_bytes) {
-  if (ByNccl(g.nccl_ranks, dest)) return g.outbox + dest * region_bytes;
-  return g.peers->staging[dest] + call.parity * g.half_bytes + g.rank * region_bytes;
 }
 
 }  // namespace jax_ep

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "protocol.cuh"
 
@@ -113,6 +115,19 @@ inline Status CheckStaging(int64_t region_bytes, const GroupView& group) {
                            std::to_string(group.half_bytes) +
                            "; initialize with larger sizes (see jax_ep.buffer_size_hint; float32 partial sums need "
                            "dtype=jnp.float32)");
+}
+
+// Loads kernels now (cudaFuncGetAttributes), not at their first launch: with lazy loading, a first launch that
+// loads a module can stall the context while another kernel of the group spins waiting for this GPU.
+inline Status LoadKernels(std::initializer_list<const void*> kernels, const char* name) {
+  for (const void* kernel : kernels) {
+    cudaFuncAttributes attributes;
+    const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
+    if (status != cudaSuccess) {
+      return Status::Internal(std::string("loading ") + name + ": " + cudaGetErrorString(status));
+    }
+  }
+  return Status::Ok();
 }
 
 inline Status LaunchStatus(const char* kernel) {
@@ -254,6 +269,17 @@ constexpr int Wide() {
   return static_cast<int>(16 / sizeof(T));
 }
 
+// Values a lane of a combine handles at once: 16 bytes of the wider of y's and the partials' types, so that
+// every store of partial sums is one 16-byte access (float32 partials of bf16 y: 8-byte loads of y).
+template <typename Y, typename P>
+constexpr int CombineWide() {
+  return Wide<Y>() < Wide<P>() ? Wide<Y>() : Wide<P>();
+}
+
+// The access of kBytes (8 or 16) that moves kWide values at once.
+template <int kBytes>
+using Chunk = std::conditional_t<kBytes == 16, uint4, uint2>;
+
 // Steps of a sum over `hidden` elements, `width` per lane, and the elements [begin, end) of a piece of a row of
 // `steps` such steps.
 __host__ __device__ inline int64_t SumSteps(int64_t hidden, int width) {
@@ -273,20 +299,18 @@ __device__ inline void PieceElements(int64_t hidden, int width, int pieces, int 
   StepElements(hidden, width, steps * piece / pieces, steps * (piece + 1) / pieces, begin, end);
 }
 
-// `width` values of type P at dst from float32 (16-byte stores when the width fills them).
+// `width` values of type P at dst from float32 (one 8- or 16-byte store when the width fills it).
 template <typename P, int kWide>
 __device__ inline void StoreValues(P* dst, const float (&acc)[kWide], int width) {
   if (width != kWide) {
     dst[0] = FromFloat<P>(acc[0]);
     return;
   }
+  using Raw = Chunk<kWide * sizeof(P)>;
   alignas(16) P packed[kWide];
 #pragma unroll
   for (int v = 0; v < kWide; ++v) packed[v] = FromFloat<P>(acc[v]);
-#pragma unroll
-  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
-    reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(packed)[c];
-  }
+  *reinterpret_cast<Raw*>(dst) = *reinterpret_cast<const Raw*>(packed);
 }
 
 // One value of type P at src, which a peer may have stored during this kernel, as float32.
@@ -307,11 +331,9 @@ __device__ inline void LoadStaged(const P* src, float (&out)[kWide], int width) 
     out[0] = LoadStagedOne(src);
     return;
   }
+  using Raw = Chunk<kWide * sizeof(P)>;
   alignas(16) P packed[kWide];
-#pragma unroll
-  for (int c = 0; c < static_cast<int>(kWide * sizeof(P) / 16); ++c) {
-    reinterpret_cast<uint4*>(packed)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
-  }
+  *reinterpret_cast<Raw*>(packed) = __ldcg(reinterpret_cast<const Raw*>(src));
 #pragma unroll
   for (int v = 0; v < kWide; ++v) out[v] = ToFloat(packed[v]);
 }

@@ -108,6 +108,9 @@ std::string DeviceResources::Failure() const {
              "the start half of a backward pass, whose finish had not run yet), or a finish without its start "
              "(open call tag " + Str(static_cast<int64_t>(s->seen)) + "): between a start and its finish the "
              "group must run no other jax_ep call" + out_of_step;
+    case kStaleRegion:
+      return "jax_ep: " + who + " received from rank " + peer + ", through NCCL, a region that does not belong to " +
+             call + ": that rank gave up on the call (its own error says why)" + out_of_step;
     case kNcclTimeout:
       return "jax_ep: an NCCL swap on " + who +
              " with the ranks it reaches through NCCL did not finish within the timeout_s given to jax_ep.initialize, "
@@ -143,7 +146,10 @@ Status Group::Allocate(int ordinal, int rank, int num_ranks, int64_t staging_byt
   int device_sms = 0;
   status = cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ordinal);
   if (status != cudaSuccess) return CudaError("cudaDeviceGetAttribute(MultiProcessorCount)", ordinal, status);
-  device->num_sms = num_sms > 0 && num_sms < device_sms ? num_sms : device_sms;
+  // By default a group of several GPUs leaves kSmsLeft SMs to kernels that run beside its own (XLA's collectives
+  // need SMs on every GPU to finish, and compute may overlap the exchange); a group of one GPU waits for nobody.
+  const int default_sms = num_ranks > 1 ? std::max(device_sms - kSmsLeft, (device_sms + 1) / 2) : device_sms;
+  device->num_sms = num_sms > 0 && num_sms < device_sms ? num_sms : (num_sms > 0 ? device_sms : default_sms);
   if ((status = cudaMalloc(&device->staging, 2 * device->half_bytes)) != cudaSuccess ||
       (status = cudaMalloc(&device->signals, sizeof(Signals))) != cudaSuccess ||
       (status = cudaMemset(device->signals, 0, sizeof(Signals))) != cudaSuccess ||

@@ -15,6 +15,10 @@
 
 namespace jax_ep {
 
+// SMs that the transfer kernels of a group of several GPUs leave free unless jax_ep.initialize's num_sms says
+// otherwise (at most half the GPU's).
+constexpr int kSmsLeft = 32;
+
 // One GPU's part of a group: its rank, its memory, and a device table of every rank's staging and signals.
 struct DeviceResources {
   int ordinal = -1;

@@ -1,0 +1,79 @@
+"""The transfer kernels of a two-rank group whose second rank is reached through NCCL, on one GPU with the swap
+faked (tests/cuda/fake_nccl_pair.cu; NCCL puts no two ranks on one GPU):
+
+* a region that arrives without its call's tag fails the call and poisons its outputs;
+* float32 partial sums of bf16 rows leave in whole 32-byte sectors (Nsight Compute's sectors per store request).
+"""
+
+import csv
+import pathlib
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from gpu import require_cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "tests/cuda/fake_nccl_pair.cu"
+KERNELS = ["routing.cu", "dispatch.cu", "combine.cu", "combine_backward.cu"]
+
+
+def _nvcc(*args):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    flags = ["-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'ffi'}"]
+    done = subprocess.run([nvcc, *flags, *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """The harness linked with the kernels, for this machine's GPU."""
+    out = tmp_path_factory.mktemp("fake_nccl_pair")
+    sources = [HARNESS, *(ROOT / "ffi/kernels" / k for k in KERNELS)]
+    objects = [out / f"{s.stem}.o" for s in sources]
+    with ThreadPoolExecutor(len(sources)) as pool:
+        list(
+            pool.map(
+                lambda so: _nvcc("-arch=native", "-c", str(so[0]), "-o", str(so[1])), zip(sources, objects, strict=True)
+            )
+        )
+    _nvcc("-arch=native", *map(str, objects), "-o", str(out / "fake_nccl_pair"))
+    return out / "fake_nccl_pair"
+
+
+def test_the_harness_compiles_against_the_kernels_interface(tmp_path):
+    _nvcc("-arch=sm_90", "-c", str(HARNESS), "-o", str(tmp_path / "fake_nccl_pair.o"))
+
+
+@require_cuda(min_gpus=1)
+def test_a_region_of_another_call_fails_the_call_and_poisons_its_outputs(harness):
+    done = subprocess.run([str(harness)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("OK"), done.stdout + done.stderr
+    assert done.stdout.count("ok: ") == 8, done.stdout
+
+
+@require_cuda(min_gpus=1)
+def test_float32_partials_are_stored_in_whole_sectors(harness, tmp_path):
+    """16 bytes per lane, lanes adjacent: 512 bytes, 16 sectors, per store request (32 when each lane stored two
+    16-byte chunks 32 bytes apart)."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        pytest.skip("ncu not found")
+    metrics = "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum,l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"
+    log = tmp_path / "stores.csv"
+    command = [ncu, "--kernel-name", "regex:CombineKernel", "--launch-count", "1", "--metrics", metrics]
+    command += ["--csv", "--print-units", "base", "--log-file", str(log), str(harness), "stores"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+    text = log.read_text()
+    values = {
+        row["Metric Name"]: float(row["Metric Value"].replace(",", ""))
+        for row in csv.DictReader(text[text.index('"ID"') :].splitlines())
+    }
+    sectors = values["l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum"]
+    requests = values["l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"]
+    print(f"send launch: {sectors:.0f} store sectors in {requests:.0f} requests: {sectors / requests:.2f} per request")
+    assert requests > 1024 and sectors / requests <= 16.5, (sectors, requests)
