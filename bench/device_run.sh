@@ -24,6 +24,8 @@
 #   concurrency       tests/test_cuda_concurrency.py on the meshes of all GPUs (ep2; ep4 + dp2xep2; ep8 + dp2xep4)
 #   bench             python -m jax_ep.bench --suite training --no-ragged: cuda and xla against the peer copy (none
 #                     on one GPU)
+#   sm_budget         bench/sm_budget.py: the training-size dispatch and combine at R=1 on GPU 0 with the default SM
+#                     budget of a group of several GPUs against every SM
 #   ragged_one_shot   XLA's ragged_all_to_all round trip at the training shape with its one-shot kernel (2+ GPUs;
 #                     its NCCL send/recv fallback: `bash bench/device_run.sh bench` without --no-ragged)
 # A step that needs more GPUs than the machine has, or that the time left cannot hold, is a SKIP saying so.
@@ -143,6 +145,7 @@ plan fuzz_r8 60 60 60 "$(need 8)"
 plan concurrency $(by_gpus "100 60 30" "100 60 30" "160 80 60") \
   "$(need 2 "the tests step ran tests/test_cuda_concurrency.py: each mesh skipped")"
 plan bench $(by_gpus "100 70 50" "120 60 70" "120 60 70") "$nogpu"
+plan sm_budget 60 30 30 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 
 limit_of() {  # INDEX START: the step's limit if it starts START seconds into the script
@@ -297,6 +300,8 @@ for i in "${!PLAN_NAME[@]}"; do
         python3 bench/gpu_tests.py "$result" tests/test_cuda_concurrency.py -k "$concurrency_k" ;;
     bench)
       run_step bench "$limit" "$result" python3 -m jax_ep.bench "$result" --suite training --no-ragged --iters 20 ;;
+    sm_budget)
+      run_step sm_budget "$limit" "$result" python3 bench/sm_budget.py "$result" ;;
     ragged_one_shot)
       run_step ragged_one_shot "$limit" "$result" python3 -m jax_ep.bench "$result" --ragged-flag true \
         --ragged-tokens 4096 --hidden 7168 ;;
