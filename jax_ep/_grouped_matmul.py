@@ -68,7 +68,8 @@ class Plan(NamedTuple):
 
 # Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
 # sweep strip); "dw": (rows of dw = K, columns of dw = N, row step, ...). Tried in order; the first that
-# divides the shape wins. On one H200 (bench/grouped_matmul.py --sweep, docs/performance.md) dw's first
+# divides the shape wins. On one H200 (bench/grouped_matmul.py --sweep,
+# bench/results/grouped_matmul_sweep_h200x1.json) dw's first
 # entry was the fastest or within 2% of it at the three shapes of issue 13; the forward's and dx's first
 # entries were the fastest at 8192x4096x1024 with 64 groups (forward 335 against 229 TFLOP/s for 128/128/64 with
 # one column tile, dx 249 against 214; bench/results/grouped_matmul_sweep_fwd_dx_e608573_h200x1.json), the only

@@ -2,11 +2,11 @@
 and zeroing the rows past the groups in place.
 
 XLA's gathers of the same rows took 1.3 (to groups) and 4.5 times (back) as long on one H200 at 32 groups
-(docs/performance.md); these kernels move blocks of rows with wide, masked loads and stores. Each takes
-``starts`` and ``sizes`` (int32 ``[G]``) of groups laid end to end, and reads no row outside a group, so whatever
-the other rows hold (NaN included) never reaches the result; no kernel touches a row outside its arrays, whatever the
-sizes. They take arrays of fewer than 2**31 elements (:func:`fits_int32`); larger ones go to XLA's copies, since
-the kernels were never run with indices past int32.
+(docs/maintainers/performance_notes.md); these kernels move blocks of rows with wide, masked loads and stores. Each
+takes ``starts`` and ``sizes`` (int32 ``[G]``) of groups laid end to end, and reads no row outside a group, so
+whatever the other rows hold (NaN included) never reaches the result; no kernel touches a row outside its arrays,
+whatever the sizes. They take arrays of fewer than 2**31 elements (:func:`fits_int32`); larger ones go to XLA's
+copies, since the kernels were never run with indices past int32.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ namespace jax_ep {
 
 // A block of at most 8 warps ranks a chunk of up to 8 x 8 x 32 slots (T=4096, K=8: 16 blocks). The kernel's time
 // is its instructions (each warp runs the same few hundred of fixed cost) and the chains between them, so a few
-// warps with 8 batches each beat 32 warps with 2 (ncu at T=128 on one H200: docs/performance.md).
+// warps with 8 batches each beat 32 warps with 2 (ncu at T=128 on one H200: docs/maintainers/performance_notes.md).
 constexpr int kRoutingWarps = 8;
 constexpr int kBatchesPerWarp = 8;
 constexpr int kRoutingSharedBytes = 96 * 1024;
