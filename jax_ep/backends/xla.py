@@ -50,7 +50,10 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     send_counts = local.rank_token_count
     send_token = _send_tokens(local.token_dest_pos, config)
     ranks = jnp.arange(num_ranks, dtype=jnp.int32)[:, None, None]
-    for_rank = (_take(rows.slot_dest, send_token, fill=-1) == ranks) & (_take(rows.slot_row, send_token, fill=-1) >= 0)
+    # One gather of the rank of each kept slot (-1 for dropped slots, which send nothing). With a second gather
+    # of slot_row here, XLA's GPU fusion recomputed the row tables inside consumers of recv_rows.
+    kept_dest = jnp.where(rows.slot_row >= 0, rows.slot_dest, -1)
+    for_rank = _take(kept_dest, send_token, fill=-1) == ranks
     send_rows = jnp.where(for_rank, _take(rows.slot_row, send_token), -1)
     send_weights = jnp.where(for_rank, _take(topk_weights, send_token), 0.0)
     send_meta = jnp.concatenate([send_rows, jax.lax.bitcast_convert_type(send_weights, jnp.int32)], axis=-1)
@@ -62,13 +65,13 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
 
     slots = jnp.arange(num_ranks * num_tokens * topk, dtype=jnp.int32)
     flat_rows = recv_rows.reshape(-1)
-    row_slot = (
-        jnp.full(config.num_rows, -1, jnp.int32)
-        .at[jnp.where(flat_rows < 0, config.num_rows, flat_rows)]
-        .set(slots, mode="drop")
-    )
-    if config.layout == "ragged":  # rows past the data: -2 (Handle)
-        row_slot = jnp.where(jnp.arange(config.num_rows) < jnp.sum(rows.group_sizes), row_slot, -2)
+    # row_slot is the scatter's own output: the ragged rows past the data (-2, Handle) are marked in the array
+    # the slots are scattered into (no slot lands past the data), not by a select on the scatter's result,
+    # which XLA fuses into every consumer of row_slot and of d.x.
+    empty = jnp.full(config.num_rows, -1, jnp.int32)
+    if config.layout == "ragged":
+        empty = jnp.where(jnp.arange(config.num_rows, dtype=jnp.int32) < jnp.sum(rows.group_sizes), empty, -2)
+    row_slot = empty.at[jnp.where(flat_rows < 0, config.num_rows, flat_rows)].set(slots, mode="drop")
     hidden = x.shape[-1]
     handle = Handle(local.token_dest_pos, send_counts, rows.slot_dest, recv_rows, recv_counts, row_slot, config)
     return Dispatched(
