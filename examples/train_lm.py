@@ -283,7 +283,7 @@ def main() -> None:
             optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
             validate(0)
             losses, step_seconds, dropped = [], [], 0
-            with tqdm(range(1, args.steps + 1), desc="train", unit="step") as bar:
+            with tqdm(range(1, args.steps + 1), desc="train", unit="step", disable=None) as bar:  # no bar in logs
                 for step in bar:
                     start = time.perf_counter()
                     starts = rng.integers(0, len(train_data) - args.seq - 1, args.batch)

@@ -86,12 +86,14 @@ from jax_ep.bench.timing import (  # noqa: E402
 
 
 def ragged_in_children(args, tokens_list, hidden) -> dict:
-    """Run the ragged baseline once per value of XLA's one-shot flag, each in a fresh process."""
+    """Run the ragged baseline once per value of XLA's one-shot flag, each in a fresh process; on CPU, where the
+    exchange is emulated and the flag means nothing, once, under the key "emulated"."""
     results = {}
+    flags = {"true": "true", "false": "false"} if args.platform == "gpu" else {"emulated": "true"}
     with tempfile.TemporaryDirectory() as scratch:  # the children's JSON, merged into ours
-        for flag in ("true", "false"):
+        for flag, value in flags.items():
             part = Path(scratch) / f"ragged_{flag}.json"
-            command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", flag]
+            command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", value]
             command += ["--hidden", str(hidden), "--ragged-tokens", ",".join(map(str, tokens_list))]
             command += ["--platform", args.platform] + (["--ranks", str(args.ranks)] if args.ranks else [])
             progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
@@ -308,8 +310,8 @@ def plot(payload: dict, path: Path) -> None:
         ]
     for flag, runs in payload.get("ragged_all_to_all", {}).get("one_shot", {}).items():
         if all(str(t) in runs for t in tokens):
-            emulated = " (emulated on CPU)" if payload["platform"] == "cpu" else ""
-            series[f"ragged_all_to_all round trip, one-shot={flag}{emulated}"] = [
+            label = "(emulated on CPU)" if flag == "emulated" else f"one-shot={flag}"
+            series[f"ragged_all_to_all round trip {label}"] = [
                 2 * p["remote_bytes_per_rank"] / runs[str(p["tokens"])]["roundtrip_us"] / 1e3 for p in points
             ]
     for name, values in series.items():
