@@ -1,18 +1,20 @@
 """A Flax NNX mixture-of-experts layer whose experts are spread over a mesh axis with jax_ep.
 
-Needs flax (``python -m pip install --no-build-isolation -e ".[nn]"``); ``import jax_ep`` does not import it.
+Needs flax (``python -m pip install -e ".[nn]"``); ``import jax_ep`` does not import it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._api import combine, dispatch, dispatch_finish, dispatch_start
@@ -164,7 +166,8 @@ class MoE(nnx.Module):
           intermediate: F, the hidden width of each expert.
           num_experts: E, a multiple of the size of ``axis_name``.
           topk: K, experts per token, in ``[1, E]``.
-          mesh: the device mesh; its axes should be ``AxisType.Auto``.
+          mesh: the device mesh, all of its axes ``AxisType.Auto`` or all
+            ``AxisType.Explicit`` (``jax.make_mesh``'s default).
           axis_name: the EP mesh axis (R ranks).
           data_axes: other mesh axes the token batch is sharded over (data
             parallelism); experts are replicated over them.
@@ -194,6 +197,12 @@ class MoE(nnx.Module):
             check_positive_int(name, value)
         check_choice("router", router, ROUTERS)
         check_choice("layout", layout, LAYOUTS)
+        if len(set(mesh.axis_types)) > 1:
+            raise ValueError(
+                f"jax_ep.nn.MoE: the mesh's axes must be all Auto or all Explicit (flax shards parameters only on "
+                f"such meshes), got axis types {dict(zip(mesh.axis_names, mesh.axis_types, strict=True))}; make the "
+                f"mesh with axis_types=(AxisType.Auto,) * {len(mesh.axis_names)} or with AxisType.Explicit"
+            )
         if axis_name not in mesh.shape:
             raise ValueError(f"jax_ep.nn.MoE: axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
         if num_experts % mesh.shape[axis_name]:
@@ -222,6 +231,7 @@ class MoE(nnx.Module):
         check_positive_int("expert_alignment", expert_alignment)
         if not isinstance(overlap, bool):
             raise TypeError(f"jax_ep.nn.MoE: overlap must be a bool, got {overlap!r}")
+        self.hidden = hidden
         self.num_experts = num_experts
         self.topk = topk
         self.mesh = mesh
@@ -248,19 +258,37 @@ class MoE(nnx.Module):
 
         The ``N`` tokens (the product of the leading dimensions) are split
         over the ``(*data_axes, axis_name)`` mesh axes, so ``N`` must be a
-        multiple of their total size.
+        multiple of their total size. On a mesh with ``Explicit`` axes ``x``
+        may have any sharding: the layer reshards its operands to the
+        ``shard_map`` specs and gives ``out`` the sharding of ``x``
+        (replicated where ``x`` is not on the mesh).
+
+        float64 ``x`` (under ``jax_enable_x64``) warns: the output is float64
+        but only float32-accurate, as the router, the routing weights and
+        :func:`jax_ep.combine`'s sums are float32.
 
         Returns:
           :class:`MoEOutput`: ``out [..., H]`` in the dtype of ``x``, the
           float32 ``aux_loss`` and the int32 ``num_dropped``.
         """
+        if x.ndim == 0 or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"jax_ep.nn.MoE: the last dimension of x must be the layer's hidden size {self.hidden}, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        if x.dtype == jnp.float64:
+            warnings.warn(
+                "jax_ep.nn.MoE: float64 x gives a float64 output of only float32 accuracy (the router, the "
+                "routing weights and combine's sums are float32); float32 x gives the same accuracy for less",
+                stacklevel=2,
+            )
         with jax.named_scope("jax_ep.MoE"):
-            tokens = x.reshape(-1, x.shape[-1])
             shards = math.prod(self.mesh.shape[name] for name in self.token_axes)
-            if tokens.shape[0] % shards:
+            num_tokens = math.prod(x.shape[:-1])
+            if num_tokens % shards:
                 raise ValueError(
                     f"jax_ep.nn.MoE: the number of tokens must be a multiple of {shards}, the size of mesh axes "
-                    f"{self.token_axes}; got input shape {tuple(x.shape)} ({tokens.shape[0]} tokens)"
+                    f"{self.token_axes}; got input shape {tuple(x.shape)} ({num_tokens} tokens)"
                 )
             params = {"router": self.router_kernel[...], "experts": self.experts.weights()}
             specs = {"router": P(), "experts": P(self.axis_name)}
@@ -268,13 +296,32 @@ class MoE(nnx.Module):
                 params["shared"] = self.shared.weights()
                 specs["shared"] = P()
             token_spec = P(self.token_axes)
+            explicit = AxisType.Explicit in self.mesh.axis_types
+            if explicit:
+                # shard_map checks that Explicit-typed operands are sharded as its in_specs say.
+                x_sharding = self._sharding_of(x)
+                tokens = jnp.reshape(
+                    jax.sharding.reshard(x, x_sharding),
+                    (num_tokens, self.hidden),
+                    out_sharding=NamedSharding(self.mesh, token_spec),
+                )
+                params = jax.sharding.reshard(params, jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs))
+            else:
+                tokens = x.reshape(num_tokens, self.hidden)
             out, aux_loss, num_dropped = jax.shard_map(
-                functools.partial(self._local, num_tokens=tokens.shape[0]),
+                functools.partial(self._local, num_tokens=num_tokens),
                 mesh=self.mesh,
                 in_specs=(token_spec, specs),
                 out_specs=(token_spec, P(), P()),
             )(tokens, params)
-            return MoEOutput(out.reshape(x.shape), aux_loss, num_dropped)
+            out = jnp.reshape(out, x.shape, out_sharding=x_sharding if explicit else None)
+            return MoEOutput(out, aux_loss, num_dropped)
+
+    def _sharding_of(self, x: jax.Array) -> NamedSharding:
+        """``x``'s sharding on the layer's (Explicit) mesh: its type's spec, or replicated where ``x`` is not on it."""
+        sharding = jax.typeof(x).sharding
+        on_mesh = sharding.mesh.axis_names == self.mesh.axis_names
+        return NamedSharding(self.mesh, sharding.spec if on_mesh else P())
 
     def _local(
         self, x: jax.Array, params: dict[str, Any], *, num_tokens: int

@@ -1,7 +1,9 @@
 """jax_ep.nn.MoE against a dense single-device MoE with the same parameters."""
 
+import functools
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -9,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 nnx = pytest.importorskip("flax.nnx")
 from jax_ep.nn import MoE  # noqa: E402
@@ -63,9 +67,9 @@ def make_moe(shape: tuple[int, ...], **kwargs) -> MoE:
 @pytest.mark.parametrize(
     "layout, shared, router, gated, shape",
     [
-        ("ragged", None, "softmax", True, (8,)),
+        pytest.param("ragged", None, "softmax", True, (8,), marks=pytest.mark.slow),
         ("ragged", 8, "sigmoid", False, (2, 4)),
-        ("expert", None, "sigmoid", True, (2, 4)),
+        pytest.param("expert", None, "sigmoid", True, (2, 4), marks=pytest.mark.slow),
         ("expert", 8, "softmax", False, (8,)),
     ],
 )
@@ -124,6 +128,119 @@ def test_bad_arguments():
     model = make_moe((8,))
     with pytest.raises(ValueError, match="multiple of 8"), jax.set_mesh(model.mesh):
         model(jnp.zeros((12, HIDDEN)))
+
+
+def test_wrong_hidden_size_is_a_clear_error():
+    model = make_moe((8,))
+    with pytest.raises(ValueError, match=r"hidden size 16, got input shape \(8, 17\)"), jax.set_mesh(model.mesh):
+        model(jnp.zeros((8, HIDDEN + 1)))
+
+
+def _explicit_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+    """A plain ``jax.make_mesh`` of CPU devices, with its default axis types: Explicit."""
+    mesh = jax.make_mesh(shape, names, devices=jax.devices("cpu")[: np.prod(shape)])
+    assert set(mesh.axis_types) == {AxisType.Explicit}
+    return mesh
+
+
+def _run_on(mesh: jax.sharding.Mesh, x: jax.Array, *, jit: bool) -> dict:
+    """A MoE with a shared expert on ``mesh`` applied to ``x``: its result, and under ``nnx.jit`` the gradients."""
+    model = MoE(
+        HIDDEN,
+        INTERMEDIATE,
+        num_experts=EXPERTS,
+        topk=TOPK,
+        mesh=mesh,
+        data_axes=mesh.axis_names[:-1],
+        shared_intermediate=8,
+        rngs=nnx.Rngs(0),
+    )
+    if not jit:
+        return {"result": model(x)}
+
+    def loss(model, x):
+        result = model(x)
+        return jnp.sum(result.out**2) + result.aux_loss, result
+
+    (_, result), (dmodel, dx) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+    return {"result": result, "dx": dx, "dmodel": nnx.to_pure_dict(nnx.state(dmodel))}
+
+
+def _explicit_input() -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (8, 8, HIDDEN))
+
+
+@functools.cache
+def _on_auto_mesh(shape: tuple[int, ...], jit: bool) -> dict:
+    """``_run_on`` an Auto-axes mesh, the reference of the Explicit cases; computed once per shape and mode."""
+    mesh = cpu_mesh(shape, ("data", "ep")[-len(shape) :])
+    with jax.set_mesh(mesh):
+        return _run_on(mesh, _explicit_input(), jit=jit)
+
+
+@pytest.mark.parametrize(
+    "shape, placement, jit",
+    [
+        ((8,), "unplaced", True),
+        ((8,), "reshard", True),
+        ((8,), "device_put", True),
+        ((2, 4), "reshard", True),
+        pytest.param((8,), "unplaced", False, marks=pytest.mark.slow),  # eager: about 30 s each
+        pytest.param((8,), "device_put", False, marks=pytest.mark.slow),
+    ],
+)
+def test_explicit_mesh_matches_auto(shape, placement, jit):
+    """On a mesh of Explicit axes the layer gives the bits it gives on Auto axes; ``out`` (and ``dx``) are
+    sharded like ``x``.
+
+    ``x`` is unplaced (on one device), resharded over the token axes under ``jax.set_mesh``, or put there by
+    ``jax.device_put`` without a mesh context; its sharded dimension is not the first, so flattening it to tokens
+    needs a resharding. Under ``nnx.jit`` the gradients are compared too; eagerly only the result (an eager call
+    compiles each op of the layer, about 30 s on CPU).
+    """
+    mesh = _explicit_mesh(shape, ("data", "ep")[-len(shape) :])
+    spec = P(None, mesh.axis_names)
+    x = _explicit_input()
+    if placement == "device_put":
+        x = jax.device_put(x, NamedSharding(mesh, spec))
+        got = _run_on(mesh, x, jit=jit)
+    else:
+        with jax.set_mesh(mesh):
+            x = jax.sharding.reshard(x, spec) if placement == "reshard" else x
+            got = _run_on(mesh, x, jit=jit)
+
+    assert jax.typeof(got["result"].out).sharding.spec == jax.typeof(x).sharding.spec
+    if jit:
+        assert jax.typeof(got["dx"]).sharding.spec == jax.typeof(x).sharding.spec
+    want, got = (jax.tree_util.tree_flatten_with_path(tree)[0] for tree in (_on_auto_mesh(shape, jit), got))
+    assert len(want) == len(got) == (4 + 7 if jit else 3)  # out, aux_loss, num_dropped (dx, 7 parameters)
+    for (path, a), (_, b) in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+
+
+def test_mixed_axis_types_are_a_clear_error():
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    with pytest.raises(ValueError, match=r"all Auto or all Explicit .* axis_types=\(AxisType.Auto,\) \* 2"):
+        MoE(HIDDEN, INTERMEDIATE, num_experts=EXPERTS, topk=TOPK, mesh=mesh, data_axes=("data",), rngs=nnx.Rngs(0))
+
+
+def test_float64_warns_of_float32_accuracy():
+    """float64 x runs and gives a float64 output, but with float32 accuracy, and says so; float32 x does not warn."""
+    model = make_moe((8,))
+    call = nnx.jit(lambda model, x: model(x).out)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(1), (64, HIDDEN), jnp.float64)
+        with jax.set_mesh(model.mesh):
+            with pytest.warns(UserWarning, match="float64 output of only float32 accuracy"):
+                out = call(model, x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                call(model, x.astype(jnp.float32))
+        params = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model)))
+        want, _ = jax.jit(dense_moe, static_argnames=("router", "topk"))(params, x, router="softmax", topk=TOPK)
+    assert out.dtype == want.dtype == jnp.float64
+    error = np.abs(np.asarray(out) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+    assert 1e-12 < error < 1e-5  # float32's accuracy, not float64's: what the warning says
 
 
 def test_construction_checks_axes_capacity_and_alignment():
