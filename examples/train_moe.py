@@ -13,7 +13,7 @@ falls as the model learns.
 
 Runs on all GPUs when there are some, else on 8 simulated CPU devices; the
 batch and the experts are sharded over the mesh axis "ep". Needs flax, optax,
-tqdm and matplotlib (``python -m pip install --no-build-isolation -e ".[nn]"``).
+tqdm and matplotlib (``python -m pip install -e ".[nn]"``).
 """
 
 import argparse
@@ -134,7 +134,8 @@ def main() -> None:
         initial = float(eval_loss(model, eval_seq))
         losses = []
         tokens_per_step = args.batch * (SEQ - 1)
-        with tqdm(total=args.steps * tokens_per_step, unit="tok", unit_scale=True, desc="train") as bar:
+        bar = tqdm(total=args.steps * tokens_per_step, unit="tok", unit_scale=True, desc="train", disable=None)
+        with bar:  # disable=None: no bar when stdout is not a terminal (logs)
             for _ in range(args.steps):
                 seq = jax.device_put(sequences(rng, args.batch), batch_sharding)
                 losses.append(float(train_step(model, optimizer, seq)))

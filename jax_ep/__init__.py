@@ -1,8 +1,7 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
 from ._api import combine, combine_finish, combine_start, default_capacity, dispatch, dispatch_finish, dispatch_start
-from ._group import Group, buffer_size_hint, finalize, initialize, nccl_ranks
-from ._group import available as cuda_available
+from ._group import Group, buffer_size_hint, cuda_available, finalize, initialize, nccl_ranks
 from ._grouped_matmul import grouped_matmul
 from ._types import Dispatched, Handle, PendingCombine, PendingDispatch
 
@@ -26,4 +25,4 @@ __all__ = [
     "initialize",
     "nccl_ranks",
 ]
-__version__ = "0.2.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it, CHANGELOG.md names it

@@ -40,8 +40,21 @@ _ids = itertools.count(1)  # group ids; also name each initialize call's keys in
 
 
 def available() -> bool:
-    """Whether the CUDA extension was built and loads here (``jax_ep.cuda_available``)."""
+    """Whether the CUDA extension was built and loads here; it loads without a GPU too (see :func:`cuda_available`)."""
     return _extension is not None
+
+
+def cuda_available() -> bool:
+    """Whether backend "cuda" can run here (``jax_ep.cuda_available``): the extension loads and jax sees a CUDA GPU.
+
+    Asking jax for its CUDA devices initializes its backends, as ``jax.devices()`` does.
+    """
+    if not available():
+        return False
+    try:
+        return len(jax.local_devices(backend="cuda")) > 0
+    except RuntimeError:  # no CUDA backend: jax without its CUDA plugin, no GPU, or JAX_PLATFORMS without cuda
+        return False
 
 
 def unavailable_reason() -> str:
@@ -56,7 +69,7 @@ def why_not_loaded(error: ImportError, package: Path) -> str:
         return (
             f"the jax_ep CUDA extension did not load: this jax_ep is the source tree {package}, which holds no "
             f"built extension (Python found it first because it started in {root}). Run from another directory "
-            "to use the installed jax_ep, or build in place with `python -m pip install --no-build-isolation -e .` "
+            "to use the installed jax_ep, or build in place with `python -m pip install -e .` "
             f"(BUILD.md). The import said: {error}"
         )
     return (
