@@ -4,7 +4,8 @@ python bench/gpu_tests.py OUT.json tests/test_cuda_backend.py [more pytest args]
 
 OUT.json is rewritten after every test with ``"complete": false``, so a run cut short by a time limit still
 leaves the outcomes so far; once pytest returns it says ``"complete": true`` and pytest's exit code
-(``"interrupted": true`` when pytest stopped on SIGINT, e.g. from ``timeout -s INT``).
+(``"interrupted": true`` when pytest stopped on SIGINT, e.g. from ``timeout -s INT``). It runs every tier of the
+files it is given (``-m ""``, before the args: a ``-m`` among them still chooses), the slow and multi-process tests too.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class Recorder:
 def main() -> int:
     out, args = Path(sys.argv[1]), sys.argv[2:]
     recorder = Recorder(out, "python " + " ".join(sys.argv))
-    status = int(pytest.main([*args, "-v"], plugins=[recorder]))
+    status = int(pytest.main(["-m", "", *args, "-v"], plugins=[recorder]))
     recorder.save(complete=True, status=status)
     print(f"wrote {out}")
     print(recorder.summary())

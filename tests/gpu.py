@@ -1,4 +1,5 @@
-"""Skip guard for the GPU tests: they run only where jax sees NVIDIA GPUs and the extension loads."""
+"""Skip guards for the GPU tests, which also mark them ``gpu``: they run only where jax sees NVIDIA GPUs (and,
+for ``require_cuda``, the extension loads)."""
 
 import jax
 import pytest
@@ -11,13 +12,29 @@ def gpu_devices() -> list:
         return []
 
 
-def require_cuda(min_gpus: int = 1):
-    """A pytest mark that skips unless ``min_gpus`` GPUs and the CUDA extension are here."""
+class Marks(list):
+    """Several pytest marks that work both as a module's ``pytestmark`` (a list) and as one decorator."""
+
+    def __call__(self, obj):
+        for mark in self:
+            obj = mark(obj)
+        return obj
+
+
+def require_gpu(reason: str = "needs an NVIDIA GPU", *, needed: bool | None = None) -> Marks:
+    """Marks ``gpu`` and a skip unless ``needed`` (default: jax sees an NVIDIA GPU)."""
+    if needed is None:
+        needed = bool(gpu_devices())
+    return Marks([pytest.mark.gpu, pytest.mark.skipif(not needed, reason=reason)])
+
+
+def require_cuda(min_gpus: int = 1) -> Marks:
+    """Marks ``gpu`` and a skip unless ``min_gpus`` GPUs and the CUDA extension are here."""
     from jax_ep import _group
 
     count = len(gpu_devices())
-    return pytest.mark.skipif(
-        count < min_gpus or not _group.available(),
-        reason=f"needs {min_gpus} NVIDIA GPU(s) and the CUDA extension (have {count} GPU(s); "
+    return require_gpu(
+        f"needs {min_gpus} NVIDIA GPU(s) and the CUDA extension (have {count} GPU(s); "
         f"{_group.unavailable_reason() or 'extension loaded'})",
+        needed=count >= min_gpus and _group.available(),
     )

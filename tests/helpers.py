@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import pytest
 from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +20,11 @@ import jax_ep
 
 AXIS = "ep"
 INVALID_IDS = (-7, -2, 2**31 - 1, -(2**31))  # never -1 nor a valid id
+
+
+def slow(*values: Any, id: str | None = None) -> Any:
+    """A parameter set of a sweep that only the slow tier runs (``-m slow``; pyproject.toml's markers)."""
+    return pytest.param(*values, marks=pytest.mark.slow, id=id)
 
 
 def ep_jit(

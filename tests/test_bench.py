@@ -22,6 +22,7 @@ def _script(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -69,6 +70,7 @@ def test_bench_defaults_follow_the_platform(monkeypatch):
     assert (args.tokens, args.hidden, args.iters, args.ranks) == (4096, 7168, 50, None)
 
 
+@pytest.mark.multiprocess
 def test_multiprocess_bench_cpu_dry_run(tmp_path):
     """Two processes under jax.distributed run the same timing loops together (xla backend, gloo on CPU)."""
     out = tmp_path / "multiprocess.json"
@@ -199,6 +201,7 @@ def test_profile_summary_says_what_is_missing_instead_of_failing(tmp_path):
     assert "no profile read" in json.loads((tmp_path / "absent.json").read_text())["error"]
 
 
+@pytest.mark.slow
 def test_gpu_tests_records_every_outcome(tmp_path):
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
@@ -264,6 +267,7 @@ def test_sources_hash_names_the_code_that_ran(tmp_path):
     assert checkout_root(tmp_path) is None and source_hash(tmp_path) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform", ["cpu"])
 def test_one_gpu_targets_cpu_dry_run_and_the_device_summary(tmp_path, platform):
     out = tmp_path / "targets.json"
@@ -352,6 +356,7 @@ def test_sanitizer_reports_are_counted_by_their_first_line_and_function():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_write_patterns_program_compiles(tmp_path):
     """bench/write_patterns.cu is a standalone program outside the extension's build: CI compiles it here."""
@@ -361,6 +366,7 @@ def test_write_patterns_program_compiles(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_split_steps_compute_what_the_whole_steps_do():
     """bench/profile_kernels.py's steps of bench/feature_costs.py, on the xla backend: each split step gives the
     whole step's value, so the two versions that are set side by side do the same work."""
@@ -381,6 +387,7 @@ def test_split_steps_compute_what_the_whole_steps_do():
     assert values["dispatch_split"] == values["dispatch"] and values["combine_split"] == values["combine"], values
 
 
+@pytest.mark.slow
 def test_feature_costs_cpu_dry_run(tmp_path):
     out = tmp_path / "costs.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -397,30 +404,3 @@ def test_feature_costs_cpu_dry_run(tmp_path):
         assert split["ratio"] == split["split_us"] / split["whole_us"]
     assert row["fp8"]["bf16_dispatch_us"] > 0 and row["fp8"]["fp8_dispatch_us"] > 0
     assert "split + mm us" in done.stdout
-
-
-def test_phase_times_keeps_the_last_launch_of_each_kernel_and_its_phases(tmp_path):
-    phase_times = _script("phase_times")
-    log = ["noise", "PH D 0 0 1 2 3 4 5 7"]  # a first dispatch launch, replaced below
-    log += ["PH D 0 105 125 135 175 305 325 4", "PH D 1 100 110 130 160 260 270 3", "PH C 0 500 510 520 520 900 950 9"]
-    launches = phase_times.read_launches(log)
-    assert [(k, sorted(b)) for k, b in launches] == [("D", [0]), ("D", [0, 1]), ("C", [0])]
-    summary = phase_times.summarize_launch(launches[1][1])
-    assert summary["span_ns"] == 325 - 100 and summary["start_spread_ns"] == 5
-    assert summary["phases"]["check"] == {"median_ns": 15, "max_ns": 20}
-    assert summary["phases"]["items"] == {"median_ns": 115, "max_ns": 130}
-    assert summary["items_ns_by_block"] == [130, 100] and summary["sm_by_block"] == [4, 3]
-    (tmp_path / "phase.log").write_text("\n".join(log) + "\n")
-    assert phase_times.summarize(tmp_path / "phase.log", tmp_path / "out.json") == 0
-    kernels = json.loads((tmp_path / "out.json").read_text())["kernels"]
-    assert kernels["DispatchKernel"]["blocks"] == 2 and kernels["CombineKernel"]["phases"]["items"]["max_ns"] == 380
-    (tmp_path / "empty.log").write_text("no stamps\n")
-    assert phase_times.summarize(tmp_path / "empty.log", tmp_path / "empty.json") == 1
-
-
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
-def test_phase_times_patch_still_applies_to_the_kernels():
-    done = subprocess.run(
-        ["git", "apply", "--check", "bench/phase_times.patch"], cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr

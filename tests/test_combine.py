@@ -14,6 +14,7 @@ from helpers import (
     ep_jit,
     random_inputs,
     routing,
+    slow,
     to_numpy,
 )
 
@@ -38,7 +39,7 @@ def _magnitude(ref, y, weights):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize(("num_ranks", "capacity"), [(1, None), (2, 3), (4, None), (8, 4)])
+@pytest.mark.parametrize(("num_ranks", "capacity"), [slow(1, None), (2, 3), slow(4, None), slow(8, 4)])
 def test_combine_matches_reference(num_ranks, capacity, layout):
     """Given weights, no weights (1) and the dispatched weights; dropped and padding rows add nothing."""
     rng = np.random.default_rng([num_ranks, len(layout)])
@@ -74,7 +75,7 @@ def test_combine_matches_reference(num_ranks, capacity, layout):
 # (dtype of the dispatched x, dtype of y, unit roundoff of y's dtype)
 LOW_PRECISION = [
     (jnp.float32, jnp.bfloat16, 2.0**-8),
-    (jnp.float32, jnp.float16, 2.0**-11),
+    slow(jnp.float32, jnp.float16, 2.0**-11),
     (jnp.bfloat16, jnp.float32, 2.0**-24),
 ]
 
@@ -90,7 +91,7 @@ def _exact_products(values):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize("partial_dtype", [None, jnp.float32], ids=["partial_default", "partial_f32"])
+@pytest.mark.parametrize("partial_dtype", [None, slow(jnp.float32)], ids=["partial_default", "partial_f32"])
 @pytest.mark.parametrize(("x_dtype", "y_dtype", "unit"), LOW_PRECISION, ids=["y_bf16", "y_f16", "x_bf16"])
 def test_combine_dtypes(x_dtype, y_dtype, unit, partial_dtype, layout):
     """The output has y's dtype whatever x was, and is SPEC's summation order bit for bit.
@@ -224,7 +225,7 @@ def test_combine_sums_in_row_order_then_rank_order():
     assert exact[0, 0, 0] == exact[3, 0, 0] == big + 2  # k order, descending rank order or float64: 2**24 + 2
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", ["ragged", slow("expert")])
 def test_dropped_slots_contribute_nothing(layout):
     """Every token picks experts 0 and 3 (E=4, R=2); capacity 3 keeps only rank 0's first three tokens."""
     num_ranks, tokens, experts = 2, 4, 4
@@ -244,7 +245,7 @@ def test_dropped_slots_contribute_nothing(layout):
     assert not np.any(out[0, 3:]) and not np.any(out[1])
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", [slow("ragged"), "expert"])
 def test_padding_rows_are_never_read(layout):
     """Rows that hold no delivered slot (padding, rows past the data) may hold NaN in y and weights: no effect."""
     num_ranks = 2
@@ -274,7 +275,7 @@ def test_padding_rows_are_never_read(layout):
         assert_sum_close(np.asarray(out), want, _magnitude(ref, clean_y, wts), F32_EPS)
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", ["ragged", slow("expert")])
 def test_handle_crosses_jit_boundaries(layout):
     """The handle is data: dispatch in one jitted call, combine in another, with the handle as an argument."""
     num_ranks = 4

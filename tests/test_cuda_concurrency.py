@@ -50,7 +50,7 @@ from gpu import gpu_devices, require_cuda
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-pytestmark = require_cuda(min_gpus=2)
+pytestmark = [*require_cuda(min_gpus=2), pytest.mark.slow]
 
 MESHES = {  # name: (shape, axis names)
     "ep2": ((2,), ("ep",)),

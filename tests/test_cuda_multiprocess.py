@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from gpu import require_cuda
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 

@@ -2,6 +2,7 @@
 its peers' flags, and relays an abort, with one system-scope fence before the loop over peers, not a fence per
 peer (a release store is a fence and a store, so R - 1 NVLink round trips in series)."""
 
+import functools
 import importlib.util
 import os
 import pathlib
@@ -27,6 +28,7 @@ def _tool_dir():
     return None
 
 
+@functools.cache
 def _sass():
     if not _group.available():
         pytest.skip(f"the CUDA extension is not built: {_group.unavailable_reason()}")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, specified, to_numpy
+from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 import jax_ep
 
@@ -35,7 +35,7 @@ def _body(layout, capacity):
     return body
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", ["ragged", slow("expert")])
 def test_same_inputs_same_bits(layout):
     """The same jitted call twice, and a second, separately traced and compiled call: the same bits everywhere."""
     num_ranks, capacity = 4, 12  # some slots dropped

@@ -63,7 +63,7 @@ def _check_padding(d: jax_ep.Dispatched, layout: str, alignment: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_ranks", [*(pytest.param(r, marks=pytest.mark.slow) for r in (1, 2, 4)), 8])
 @pytest.mark.parametrize(("kind", "capacity", "alignment", "dtype"), CASES)
 def test_dispatch_matches_reference(num_ranks, layout, kind, capacity, alignment, dtype):
     rng = np.random.default_rng([num_ranks, len(kind), capacity or 0, alignment, len(layout)])
@@ -185,7 +185,8 @@ def test_only_unused_and_invalid_slots(layout):
 
 
 def test_auto_backend_equals_xla():
-    """backend="auto" on CPU is the xla backend: the same outputs bit for bit."""
+    """backend="auto" (the default) on CPU resolves to "xla": its handle says so, and its outputs are the explicit
+    xla backend's, bit for bit."""
     num_ranks = 4
     rng = np.random.default_rng(3)
     x, weights = random_inputs(rng, num_ranks, T, H, K)
@@ -193,11 +194,29 @@ def test_auto_backend_equals_xla():
 
     def both(x, idx, weights):
         kw = dict(num_experts=E, axis_name=AXIS, expert_alignment=3, capacity=9)
-        return jax_ep.dispatch(x, idx, weights, backend="auto", **kw), jax_ep.dispatch(x, idx, weights, **kw)
+        return jax_ep.dispatch(x, idx, weights, **kw), jax_ep.dispatch(x, idx, weights, backend="xla", **kw)
 
     auto, xla = jax.tree.map(np.asarray, ep_jit(both, num_ranks)(x, idx, weights))
+    assert auto.handle.config.backend == "xla" and auto.handle.config == xla.handle.config
     assert_dispatch_equal(auto, xla)
     assert_dispatch_equal(auto, reference.dispatch(x, idx, weights, num_experts=E, capacity=9, expert_alignment=3))
+
+
+def test_auto_backend_takes_cuda_only_where_a_group_serves(monkeypatch):
+    """backends.resolve, which dispatch asks: "auto" is "cuda" (with the group's id) where cuda.find_group offers a
+    group, else "xla"; "cuda" where no group can serve is a ValueError; "xla" is "xla" even where one could."""
+    from jax_ep import backends
+    from jax_ep.backends import cuda
+
+    where = (AXIS, 4, K, E)
+    assert not cuda.on_gpus() and cuda.find_group(*where)[0] is None  # CPU: no group
+    assert backends.resolve("auto", *where) == ("xla", -1)
+    with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
+        backends.resolve("cuda", *where)
+    monkeypatch.setattr(cuda, "find_group", lambda *args: (7, ""))
+    assert backends.resolve("auto", *where) == ("cuda", 7)
+    assert backends.resolve("cuda", *where) == ("cuda", 7)
+    assert backends.resolve("xla", *where) == ("xla", -1)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
@@ -286,3 +305,39 @@ def test_alignment_beyond_capacity_pads_nothing_more():
     want = reference.dispatch(x, idx, weights, num_experts=E, capacity=capacity, expert_alignment=capacity)
     assert_dispatch_equal(huge, want)
     assert np.all(huge.group_sizes >= 0) and np.all(huge.group_sizes.sum(axis=1) <= capacity)
+
+
+def _producer(jaxpr, var) -> str:
+    """The primitive that computes ``var`` in ``jaxpr``, followed into nested calls (jit, shard_map, custom_vjp)."""
+    for eqn in jaxpr.eqns:
+        if var in eqn.outvars:
+            index = eqn.outvars.index(var)
+            for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+                inner = eqn.params.get(name)
+                if inner is not None:
+                    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                    return _producer(inner, inner.outvars[index])
+            return eqn.primitive.name
+    raise AssertionError(f"nothing in the jaxpr computes {var}")
+
+
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_xla_row_slot_is_the_scatter_output(layout):
+    """Backend xla: Handle.row_slot is the output of the scatter that places the slots, as it was at fb4c00b.
+
+    739ecb8 marked the ragged rows past the data -2 with a select on that scatter's result; XLA fused the
+    select, which reads sum(group_sizes), into every consumer of row_slot and of d.x (a gather of each token's
+    K rows, say) instead of reading one array (the issue of a scan of dispatch and such a sum, slower on an
+    H200 at 739ecb8). Writing -2 into the array the slots are scattered into gives the same values.
+    """
+    num_ranks = 2
+    mesh = cpu_mesh((num_ranks,), (AXIS,))
+
+    def row_slot(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout=layout, expert_alignment=2, backend="xla")
+        return d.handle.row_slot
+
+    f = jax.shard_map(row_slot, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    args = (jnp.zeros((num_ranks * T, H)), jnp.zeros((num_ranks * T, K), jnp.int32), jnp.zeros((num_ranks * T, K)))
+    closed = jax.make_jaxpr(f)(*args)
+    assert _producer(closed.jaxpr, closed.jaxpr.outvars[0]) == "scatter"

@@ -7,7 +7,7 @@ handed to divide_from are the exact ones moved by -3..3 ulps, so the correction 
 import jax
 import numpy as np
 import pytest
-from gpu import gpu_devices
+from gpu import gpu_devices, require_gpu
 from helpers import assert_bits_equal
 
 from jax_ep import _division
@@ -71,7 +71,7 @@ def test_divide_is_numpy_division_and_leaves_special_values():
     assert_bits_equal(np.asarray(jax.jit(_division.divide)(a[:5], np.float32(448))), a[:5] / np.float32(448))
 
 
-@pytest.mark.skipif(not gpu_devices(), reason="needs an NVIDIA GPU: XLA's own division there is approximate")
+@require_gpu("needs an NVIDIA GPU: XLA's own division there is approximate")
 def test_divide_on_the_gpu_is_numpy_division():
     """On a GPU, XLA's float32 quotient is up to 2 ulps off (div.full.f32); divide's is NumPy's, bit for bit,
     and so are FP8's scales and quotients there."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example runs in a subprocess
+
 ROOT = Path(__file__).parents[1]
 
 

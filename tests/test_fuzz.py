@@ -25,6 +25,7 @@ def slice_report():
     return fuzz.campaign(**SLICE, log=lambda line: print(line), progress_s=1e9)
 
 
+@pytest.mark.slow
 def test_fuzz_slice_has_no_mismatch(slice_report):
     report = slice_report
     details = "\n".join(f"seed {m['seed']}: {m['case']}\n  {m['mismatches'][0]}" for m in report["mismatches"])
@@ -41,6 +42,7 @@ def test_fuzz_slice_has_no_mismatch(slice_report):
     assert all(len(b["seeds"]) == 25 for b in report["buckets"])
 
 
+@pytest.mark.slow
 def test_replay_is_the_same_case(slice_report):
     """A case seed fixes the whole case: its bucket, routing, flags and data."""
     seed = slice_report["buckets"][-1]["seeds"][3]
@@ -61,6 +63,7 @@ def test_seeds_do_not_depend_on_the_split():
     assert fuzz.decode_seed(fuzz.encode_seed(1, 8, 3, 17)) == (1, 8, 3, 17)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_each_check_their_own_rank(tmp_path):
     """--processes 2: R=2 as two jax.distributed processes (here one CPU device each, gloo); both run the same
     cases, each checks its own rank's outputs against the reference, and one report joins them."""
@@ -215,6 +218,7 @@ def test_checker_catches_nondeterminism(checked_case):
     assert any("determinism: out_w" in p for p in fuzz.determinism_mismatch(case, got, changed))
 
 
+@pytest.mark.slow
 def test_fuzzer_finds_an_injected_bug(monkeypatch):
     """A real bug in the xla backend, not only a corrupted result: combine summing a token's rows in descending
     instead of ascending row order (which the contract fixes) is caught by the bit-for-bit order checks."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reference
 from conftest import cpu_mesh
-from helpers import AXIS, assert_bits_equal, assert_sum_close, ep_jit, random_inputs, routing, to_numpy
+from helpers import AXIS, assert_bits_equal, assert_sum_close, ep_jit, random_inputs, routing, slow, to_numpy
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
@@ -67,7 +67,7 @@ def _masked(idx, ref):
 # Finite differences.
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", ["ragged", slow("expert")])
 def test_dispatch_check_grads(layout):
     """d/dx and d/dtopk_weights of a loss on d.x and d.weights, with dropped slots (capacity 4)."""
     num_ranks = 4
@@ -89,7 +89,7 @@ def test_dispatch_check_grads(layout):
     )
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", [slow("ragged"), "expert"])
 def test_combine_check_grads(layout):
     """d/dy and d/dweights of combine (given weights), and d/dy with weights=None."""
     num_ranks = 4
@@ -115,7 +115,7 @@ def test_combine_check_grads(layout):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize(("num_ranks", "capacity", "dtype"), [(2, 3, jnp.float32), (8, None, jnp.bfloat16)])
+@pytest.mark.parametrize(("num_ranks", "capacity", "dtype"), [slow(2, 3, jnp.float32), (8, None, jnp.bfloat16)])
 def test_dispatch_vjp_matches_reference(num_ranks, capacity, dtype, layout):
     """dx[t] sums the row cotangents of its delivered slots; dtopk_weights[t, k] is its row's, else 0."""
     rng = np.random.default_rng([3, num_ranks, len(layout)])
@@ -329,7 +329,7 @@ def _dense_check(num_ranks, layout, capacity, kind, wrap=lambda f: f):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_ranks", [1, slow(2), slow(4), slow(8)])
 def test_moe_matches_dense(num_ranks, layout):
     """Forward and d/d(x, topk_weights, W) equal a dense MoE; distinct ids, nothing dropped."""
     ref = _dense_check(num_ranks, layout, None, "distinct")
@@ -343,7 +343,7 @@ def test_moe_with_dropped_slots_matches_dense(layout):
     assert ref.dropped
 
 
-@pytest.mark.parametrize(("num_ranks", "layout"), [(4, "ragged"), (2, "expert")])
+@pytest.mark.parametrize(("num_ranks", "layout"), [slow(4, "ragged"), (2, "expert")])
 def test_moe_under_checkpoint(num_ranks, layout):
     """The same results when each rank's MoE is rematerialized (jax.checkpoint)."""
     _dense_check(num_ranks, layout, None, "distinct", wrap=jax.checkpoint)

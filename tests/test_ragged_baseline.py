@@ -4,13 +4,16 @@ import jax
 import numpy as np
 import pytest
 from conftest import cpu_mesh
+from helpers import slow
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
 
 
-@pytest.mark.parametrize("ranks,tokens,topk,experts", [(1, 5, 3, 4), (2, 16, 4, 8), (4, 8, 2, 16), (8, 6, 2, 8)])
+@pytest.mark.parametrize(
+    "ranks,tokens,topk,experts", [slow(1, 5, 3, 4), slow(2, 16, 4, 8), slow(4, 8, 2, 16), (8, 6, 2, 8)]
+)
 def test_baseline_equals_dispatch_then_combine(ranks, tokens, topk, experts):
     rng = np.random.default_rng(ranks)
     x = rng.standard_normal((ranks * tokens, 6)).astype(np.float32)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, to_numpy
+from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, to_numpy
 
 import jax_ep
 
@@ -102,7 +102,7 @@ def _body(poison: bool, capacity, alignment):
     return body
 
 
-@pytest.mark.parametrize(("capacity", "alignment"), [(None, 1), (None, 4), (20, 3)])
+@pytest.mark.parametrize(("capacity", "alignment"), [slow(None, 1), slow(None, 4), (20, 3)])
 def test_nan_in_the_ragged_tail_reaches_nothing(capacity, alignment):
     """combine (both partial dtypes), ragged_dot and every gradient give the same bits with a NaN tail."""
     num_ranks = 4

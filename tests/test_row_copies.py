@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices
+from gpu import gpu_devices, require_gpu
+from helpers import slow
 from jax.experimental import pallas as pl
 
 from jax_ep import _padded_gmm as padded
@@ -52,13 +53,13 @@ def check_kernels(case: str, dtype, spare: int):
         np.testing.assert_array_equal(z[:first], np.asarray(a, np.float32)[:first])  # untouched, NaN included
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c in ("ragged", "to_the_end") else slow(c) for c in sorted(CASES)])
 def test_row_copies_interpreted(monkeypatch, case):
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, interpret=True))
     check_kernels(case, jnp.float32, spare=64)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")
+@require_gpu(needed=ON_CUDA)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_row_copies_on_gpu(case, dtype):
@@ -81,7 +82,7 @@ def test_arrays_past_int32_take_xlas_copies():
         assert "pallas_call" not in str(jaxpr)
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")
+@require_gpu(needed=ON_CUDA)
 def test_sizes_that_do_not_fit_the_array_stay_inside_it():
     """Group sizes past the array's end, or negative (a caller's error), give unspecified rows, but no kernel reads or
     writes outside its arrays (a fault would end the process), and a group inside the array is still copied."""

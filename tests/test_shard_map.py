@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import reference
 from conftest import cpu_mesh
-from helpers import assert_bits_equal, assert_dispatch_equal, assert_sum_close, random_inputs, routing, to_numpy
+from helpers import assert_bits_equal, assert_dispatch_equal, assert_sum_close, random_inputs, routing, slow, to_numpy
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -53,7 +53,7 @@ def _inputs(seed, kind, num_tokens, num_groups=1):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_ranks", [slow(1), slow(2), 4, slow(8)])
 def test_ep_equals_single_device(num_ranks, layout):
     """R ranks of T tokens give what one device gives for all R*T tokens, expert by expert."""
     # Distinct ids: nothing is dropped at the default capacities of either side.
@@ -94,7 +94,9 @@ def test_ep_equals_single_device(num_ranks, layout):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
-@pytest.mark.parametrize(("shape", "names"), [((2, 4), ("dp", "ep")), ((4, 2), ("ep", "dp"))], ids=["dp_ep", "ep_dp"])
+@pytest.mark.parametrize(
+    ("shape", "names"), [((2, 4), ("dp", "ep")), slow((4, 2), ("ep", "dp"))], ids=["dp_ep", "ep_dp"]
+)
 def test_two_axis_mesh(shape, names, layout):
     """Tokens sharded over ("dp", "ep"), experts over "ep": each dp group is its own EP group of 4 ranks."""
     num_ranks, num_groups = shape[names.index("ep")], shape[names.index("dp")]

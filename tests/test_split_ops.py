@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, specified, to_numpy
+from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 import jax_ep
 
@@ -33,7 +33,7 @@ def _step(split: bool, layout: str):
     return body
 
 
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize("layout", ["ragged", slow("expert")])
 def test_split_ops_equal_the_whole_ops_bit_for_bit(layout):
     rng = np.random.default_rng(0)
     x, w = random_inputs(rng, R, T, H, K)

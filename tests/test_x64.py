@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, specified, to_numpy
 
 import jax_ep
@@ -66,6 +67,7 @@ def results() -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.slow  # a subprocess
 def test_x64_runs_without_warnings_and_matches_x32(tmp_path):
     assert not jax.config.jax_enable_x64
     saved = tmp_path / "x64.npz"
