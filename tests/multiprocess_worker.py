@@ -180,21 +180,31 @@ def later_calls_fail(call, want, after):
             raise AssertionError(f"the {attempt} after {after} did not fail")
 
 
+def _compiled_weights_step(mesh, name):
+    """A jitted dispatch of messy float32 inputs that returns the rows' weights, compiled by every process before a
+    barrier (XLA shares autotuning results between them). Returns (host inputs, dispatch keywords, the shard_map
+    body, the compiled step, its global inputs)."""
+    import jax_ep
+
+    kw = dict(num_experts=16, layout="ragged", capacity=None)
+    host = host_inputs(64, 256, 4, 16, np.float32, seed=7, messy=True)
+    inputs = tuple(global_array(mesh, a) for a in host)
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None]
+
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(*inputs).compile()
+    distributed.global_state.client.wait_at_barrier(f"{name}/compiled", 60_000)
+    return host, kw, body, step, inputs
+
+
 def late_shared(mesh, process_id, timeout_s):
     """Process 1 comes late: both calls fail (NaN, named errors); after initialize again both are right."""
     import jax_ep
 
     client = distributed.global_state.client
-    kw = dict(num_experts=16, layout="ragged", capacity=None)
-    host = host_inputs(64, 256, 4, 16, np.float32, seed=7, messy=True)
-    x, idx, w = (global_array(mesh, a) for a in host)
-
-    def body(x, idx, w):
-        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None]
-
-    with jax.set_mesh(mesh):  # both compile first: XLA shares autotuning results between the processes
-        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
-    client.wait_at_barrier("late/compiled", 60_000)
+    host, kw, body, step, (x, idx, w) = _compiled_weights_step(mesh, "late")
     assert not np.any(np.isnan(local(step(x, idx, w))))  # the first call, which may wait the set-up timeout
     client.wait_at_barrier("late/first", 60_000)
     if process_id == 1:
@@ -216,19 +226,7 @@ def late_shared(mesh, process_id, timeout_s):
 def skew_shared(mesh, process_id, timeout_s):
     """Process 1 reaches the group's first call timeout_s + 2 s after process 0 (as after a slower compile): the
     first call waits the set-up timeout, so both get the reference."""
-    client = distributed.global_state.client
-    kw = dict(num_experts=16, layout="ragged", capacity=None)
-    host = host_inputs(64, 256, 4, 16, np.float32, seed=7, messy=True)
-    x, idx, w = (global_array(mesh, a) for a in host)
-
-    def body(x, idx, w):
-        import jax_ep
-
-        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None]
-
-    with jax.set_mesh(mesh):
-        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
-    client.wait_at_barrier("skew/compiled", 60_000)
+    host, kw, _, step, (x, idx, w) = _compiled_weights_step(mesh, "skew")
     if process_id == 1:
         time.sleep(timeout_s + 2)
     np.testing.assert_array_equal(local(step(x, idx, w)), reference_run(mesh, host, np.float32, **kw)[1])
