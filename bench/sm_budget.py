@@ -17,8 +17,6 @@ import statistics
 import sys
 from pathlib import Path
 
-SMS_LEFT = 32  # ffi/runtime/group.h: kSmsLeft
-
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,6 +31,7 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     import jax_ep
+    from jax_ep import _group
     from jax_ep.bench import timing
     from jax_ep.bench.record import provenance, write
 
@@ -42,7 +41,7 @@ def main(argv: list[str]) -> int:
     device = jax.devices("gpu")[0]
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
     sms = device.core_count
-    budgets = {"every_sm": None, "default_of_several_gpus": max(sms - SMS_LEFT, (sms + 1) // 2)}
+    budgets = {"every_sm": None, "default_of_several_gpus": _group._extension.default_num_sms(sms, 2)}
     sizes = dict(num_tokens=args.tokens, hidden=timing.HIDDEN, topk=timing.TOPK, num_experts=timing.EXPERTS)
     x, idx, w, _ = timing.make_inputs(1, args.tokens, timing.HIDDEN)
     ordinal = device.local_hardware_id

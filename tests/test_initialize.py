@@ -101,3 +101,14 @@ def test_a_refused_initialize_creates_no_group():
     with pytest.raises(ValueError):
         jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES)
     assert _group.group_for("ep") is None and jax_ep.nccl_ranks() == {}
+
+
+def test_the_default_sm_budget_leaves_32_sms_to_a_group_of_several_gpus():
+    """ffi/runtime/group.h DefaultNumSms: every SM for a group of one GPU, else all but 32, at least half."""
+    from jax_ep import _group
+
+    if not _group.available():
+        pytest.skip(f"the CUDA extension is not built: {_group.unavailable_reason()}")
+    default = _group._extension.default_num_sms
+    assert default(132, 1) == 132 and default(132, 2) == 100 and default(132, 8) == 100
+    assert default(40, 2) == 20 and default(41, 4) == 21  # at most half the GPU left

@@ -146,10 +146,7 @@ Status Group::Allocate(int ordinal, int rank, int num_ranks, int64_t staging_byt
   int device_sms = 0;
   status = cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, ordinal);
   if (status != cudaSuccess) return CudaError("cudaDeviceGetAttribute(MultiProcessorCount)", ordinal, status);
-  // By default a group of several GPUs leaves kSmsLeft SMs to kernels that run beside its own (XLA's collectives
-  // need SMs on every GPU to finish, and compute may overlap the exchange); a group of one GPU waits for nobody.
-  const int default_sms = num_ranks > 1 ? std::max(device_sms - kSmsLeft, (device_sms + 1) / 2) : device_sms;
-  device->num_sms = num_sms > 0 && num_sms < device_sms ? num_sms : (num_sms > 0 ? device_sms : default_sms);
+  device->num_sms = num_sms > 0 ? std::min(num_sms, device_sms) : DefaultNumSms(device_sms, num_ranks);
   if ((status = cudaMalloc(&device->staging, 2 * device->half_bytes)) != cudaSuccess ||
       (status = cudaMalloc(&device->signals, sizeof(Signals))) != cudaSuccess ||
       (status = cudaMemset(device->signals, 0, sizeof(Signals))) != cudaSuccess ||

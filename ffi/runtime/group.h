@@ -1,6 +1,7 @@
 // Library-owned GPU memory of the EP groups, created by jax_ep.initialize before any computation runs.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -18,6 +19,13 @@ namespace jax_ep {
 // SMs that the transfer kernels of a group of several GPUs leave free unless jax_ep.initialize's num_sms says
 // otherwise (at most half the GPU's).
 constexpr int kSmsLeft = 32;
+
+// The SM budget of a group of `num_ranks` GPUs on a GPU of `device_sms` SMs when num_sms is not given: kSmsLeft
+// left to the kernels that run beside its own (XLA's collectives need SMs on every GPU to finish, and compute may
+// overlap the exchange); a group of one GPU waits for nobody and takes every SM.
+inline int DefaultNumSms(int device_sms, int num_ranks) {
+  return num_ranks > 1 ? std::max(device_sms - kSmsLeft, (device_sms + 1) / 2) : device_sms;
+}
 
 // One GPU's part of a group: its rank, its memory, and a device table of every rank's staging and signals.
 struct DeviceResources {

@@ -231,6 +231,7 @@ NB_MODULE(_jax_ep_cuda, m) {
         return can_access != 0;
       },
       nb::arg("ordinal"), nb::arg("peer"));
+  m.def("default_num_sms", &jax_ep::DefaultNumSms, nb::arg("device_sms"), nb::arg("num_ranks"));
   m.def(
       "commit",
       [](int64_t id) {
