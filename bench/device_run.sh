@@ -4,7 +4,8 @@
 #   SUITE_GPUS=8 bash bench/device_run.sh plan                   # the plan for 8 GPUs, each step's limit; runs nothing
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh tests           # every GPU test file in full, nothing else
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [ARGS]    # python -m jax_ep.bench ARGS (default: --suite
-#                                                                # training --no-ragged), NCCL, P2P off, 1 process/GPU
+#                                                                # training --no-ragged), NCCL, P2P off, and
+#                                                                # bench/multiprocess.py (1 process/GPU)
 # The suite builds the extension (pip install -e .), then runs these steps in order, each under `timeout` (SIGINT,
 # SIGKILL 10 s later), its output in $OUT/logs/<step>.log, and prints PASS, FAIL or SKIP (with the reason) after each:
 #   topo              nvidia-smi topo -m, topo -p2p r/w/n/a, nvlink --status
@@ -17,7 +18,7 @@
 #                     it (the one_gpu group); 2-3 GPUs: the 2-GPU groups, peer stores ("auto") in full, NCCL ("nccl")
 #                     without its shape sweeps (matches_xla, fp8, combine_backward, small_sm, split_ops); 4+ GPUs: a
 #                     smoke of "auto" (the file uses 2 GPUs, which the 2-GPU suite covers).
-#   fuzz_r1           tests/fuzz.py, R=1 (cases until its time is up: --budget-s)
+#   fuzz_r1           tools/fuzz.py, R=1 (cases until its time is up: --budget-s)
 #   fuzz_shared       1 GPU: R=2 as two processes sharing GPU 0 (--processes 2)
 #   fuzz_r2/r4/r8     R GPUs of one process (--ranks R), R <= GPUs. fuzz.py has no process-per-GPU mode: its
 #                     --processes puts every process on GPU 0; one process per GPU is covered by the tests step.
@@ -76,17 +77,19 @@ fi
 if [ "$mode" = bench ]; then
   bench_args=("$@")
   [ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training --no-ragged)
-  bench() {  # LIMIT MODULE OUT ARGS...: each result names this script and the exact benchmark command it ran
-    local limit=$1 module=$2 out=$3
+  bench() {  # LIMIT PROGRAM OUT ARGS...: PROGRAM is "-m jax_ep.bench" or a script; each result names this script
+    # and the exact benchmark command it ran
+    local limit=$1 program=$2 out=$3
     shift 3
-    JAX_EP_COMMAND="bash bench/device_run.sh bench: python -m $module OUT/$out $*" \
-      timeout "$limit" python3 -m "$module" "$OUT/$out" "$@" 2>&1 | quiet
+    # shellcheck disable=SC2086  # PROGRAM may be two words
+    JAX_EP_COMMAND="bash bench/device_run.sh bench: python $program OUT/$out $*" \
+      timeout "$limit" python3 $program "$OUT/$out" "$@" 2>&1 | quiet
   }
-  bench 300 jax_ep.bench bench.json "${bench_args[@]}"
-  bench 120 jax_ep.bench bench_transport_nccl.json --suite training --no-ragged --transport nccl
-  bench 120 jax_ep.bench bench_p2p_off.json --suite training --no-ragged --p2p-off
-  bench 120 jax_ep.bench.multiprocess multiprocess.json --timeout 110
-  bench 120 jax_ep.bench.multiprocess multiprocess_p2p_off.json --timeout 110 --p2p-off
+  bench 300 "-m jax_ep.bench" bench.json "${bench_args[@]}"
+  bench 120 "-m jax_ep.bench" bench_transport_nccl.json --suite training --no-ragged --transport nccl
+  bench 120 "-m jax_ep.bench" bench_p2p_off.json --suite training --no-ragged --p2p-off
+  bench 120 bench/multiprocess.py multiprocess.json --timeout 110
+  bench 120 bench/multiprocess.py multiprocess_p2p_off.json --timeout 110 --p2p-off
   exit 0
 fi
 if [ "$mode" != suite ] && [ "$mode" != plan ]; then
@@ -287,11 +290,11 @@ for i in "${!PLAN_NAME[@]}"; do
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
       budget=$((limit - overhead < 5 ? 5 : limit - overhead))
-      run_step "$name" "$limit" "$result" python3 tests/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
+      run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     fuzz_shared)
       budget=$((limit - 15 < 5 ? 5 : limit - 15))  # two processes: 6 s more than at R=1
-      run_step fuzz_shared "$limit" "$result" python3 tests/fuzz.py --platform gpu --backend cuda --processes 2 \
+      run_step fuzz_shared "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --processes 2 \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     concurrency)
       meshes=$([ "$largest" -ge 4 ] && echo 2 || echo 1)

@@ -50,14 +50,10 @@ def main(argv: list[str]) -> int:
 
     import jax_ep
     from jax_ep.bench.record import provenance, write
-    from jax_ep.bench.split_steps import (
-        SHARED_INTERMEDIATE,
-        combine_operands,
-        combine_step,
-        dispatch_step,
-        shared_expert_weights,
-    )
     from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, progress, seconds_per_call, time_backend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from split_steps import SHARED_INTERMEDIATE, combine_operands, combine_step, dispatch_step, shared_expert_weights
 
     tokens_list = [int(v) for v in args.tokens.split(",") if v]
     device = jax.devices(args.platform)[0]

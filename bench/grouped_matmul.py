@@ -16,7 +16,8 @@ forward kernels alone (below 256 groups ``fwd`` is the same program as ``fwd_ups
 dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded
 after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
 sampled check runs on the default path, on the kernels alone, and on the other forward kernel. Where the padded
-path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep._row_copies`` against XLA's gathers).
+path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep.gmm.row_copies`` against XLA's
+gathers).
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
@@ -43,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ep
-from jax_ep import _grouped_matmul as gm
-from jax_ep import _mosaic_gmm as mk
-from jax_ep import _padded_gmm as padded
+from jax_ep.gmm import grouped_matmul as gm
+from jax_ep.gmm import mosaic as mk
+from jax_ep.gmm import padded as padded
 
 SHAPES = ((32768, 7168, 2048, 32), (32768, 7168, 2048, 256), (8192, 4096, 1024, 64))
 START = time.perf_counter()
@@ -195,7 +196,7 @@ def padded_fns(rows: int, suffix: str = ""):
 
 def time_row_copies(x, s, rows: int, iters: int) -> dict:
     """ms of the padded path's row copies of ``x`` (to ``[G, rows, K]`` and back), the kernels of
-    ``jax_ep._row_copies`` against XLA's gathers, and whether both give the same bits."""
+    ``jax_ep.gmm.row_copies`` against XLA's gathers, and whether both give the same bits."""
     p = padded.pad(x, s, rows)
     fns = {
         "pad": (jax.jit(lambda x, s: padded.pad(x, s, rows)), (x, s)),

@@ -252,7 +252,7 @@ def main() -> None:
         "jax": jax.__version__,
         "backend": backend,
         "backend_note": backend_note,
-        "cuda_extension_importable": jax_ep._group.available(),  # cuda_available() also needs a GPU
+        "cuda_extension_importable": jax_ep.ep.group.available(),  # cuda_available() also needs a GPU
         "shape": {
             "tokens": args.tokens,
             "hidden": args.hidden,

@@ -8,9 +8,9 @@ Shapes: H=7168 (--hidden), K=8, E=256, bf16, ragged layout, capacity=None, unifo
 experts per token (``jax_ep.bench.timing.make_inputs``: normal tokens, uniform weights). OUT.json holds:
 
 * ``copy``: the GPU's device-to-device copy bandwidth, measured in this run: ``cudaMemcpyPeerAsync`` of 1 GiB from
-  the GPU to itself (the extension's ``peer_copy_seconds``), bandwidth = 2 * bytes / seconds (read + write), best
-  of 5 measurements of 20 copies each; and its write-only bandwidth, ``cudaMemsetAsync`` of 1 GiB the same way
-  (``fill``, bandwidth = bytes / seconds).
+  the GPU to itself (``jax_ep.bench._copy_timing.peer_copy_seconds``), bandwidth = 2 * bytes / seconds (read +
+  write), best of 5 measurements of 20 copies each; and its write-only bandwidth, ``cudaMemsetAsync`` of 1 GiB the
+  same way (``fill``, bandwidth = bytes / seconds).
 * ``check``, ``checked``: on one set of inputs per T, before any timing: backend "cuda" against "xla": dispatch's
   ``x`` and ``weights`` equal bit for bit on the specified rows (``row < sum(group_sizes)``), ``group_sizes`` and
   the counts equal; combine (``weights=d.weights`` of row-dependent expert outputs) within one bf16 ulp; the loss and
@@ -95,10 +95,13 @@ def main(argv: list[str]) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep import _group
-    from jax_ep.bench import timing, training_step
+    from jax_ep.bench import timing
     from jax_ep.bench.record import provenance, write
     from jax_ep.bench.timing import copy_seconds, fill_seconds, make_inputs, progress, seconds_per_call, time_backend
+    from jax_ep.ep import group as _group
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import training_step
 
     assert (TOPK, EXPERTS) == (timing.TOPK, timing.EXPERTS), "make_inputs routes to other shapes"
     on_gpu = args.platform == "gpu"

@@ -2,7 +2,7 @@
 
     python bench/p2p_matrix.py [OUT.json]
 
-For every ordered pair (a, b) of the GPUs jax sees, ``jax_ep._group.extension().can_access_peer(a, b)``
+For every ordered pair (a, b) of the GPUs jax sees, ``jax_ep.ep.group.extension().can_access_peer(a, b)``
 (cudaDeviceCanAccessPeer, by CUDA ordinal): the fact ``jax_ep.initialize(transport="auto")`` decides peer stores
 against NCCL by. Prints the matrix (row: the GPU that stores, column: the GPU stored into) and whether every pair
 can; OUT.json gets the same as JSON. One GPU gives a 1x1 matrix (nothing to pair).
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     if not gpus:
         print("SKIP: jax sees no GPU")
         return SKIPPED
-    from jax_ep import _group
+    from jax_ep.ep import group as _group
 
     if not _group.available():
         print(f"FAIL: {len(gpus)} GPU(s) but the CUDA extension did not load: {_group.unavailable_reason()}")

@@ -6,10 +6,10 @@
 
 ``run`` calls one jitted dispatch + combine (ragged layout, capacity=None, weights=d.weights) three times, with a
 marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call. With ``--step``
-another step takes its place: one of bench/feature_costs.py's (``jax_ep.bench.split_steps``), a dispatch or a
+another step takes its place: one of bench/feature_costs.py's (bench/split_steps.py), a dispatch or a
 combine next to a matmul, whole (``dispatch``, ``combine``) or split (``dispatch_split``, ``combine_split``), so
 that the kernels of one step of each, XLA's included, can be set side by side; or the one-GPU targets' training
-step (``jax_ep.bench.training_step``: loss and gradients) on backend "cuda" (``training``) or "xla"
+step (bench/training_step.py: loss and gradients) on backend "cuda" (``training``) or "xla"
 (``training_xla``, whose kernels are all XLA's).
 ``summarize`` keeps the kernels of the last call (those after the marker), in launch order, and splits them by
 name: dispatch is the
@@ -88,14 +88,16 @@ def run(tokens: int, hidden: int, step_name: str = "exchange") -> None:
 
 
 def _split_step(name: str, x, idx, w, hidden: int, backend: str = "cuda"):
-    """One of jax_ep.bench.split_steps' steps, jitted, and its operands: the loop index (1, an argument as in a
+    """One of bench/split_steps.py's steps, jitted, and its operands: the loop index (1, an argument as in a
     loop) and the global arrays over the mesh's axis "ep"."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.bench import split_steps
     from jax_ep.bench.timing import EXPERTS
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import split_steps
 
     m = split_steps.shared_expert_weights(hidden)
     split = name.endswith("_split")
@@ -121,7 +123,8 @@ def _training_step(name: str, x, idx, w, tokens: int, hidden: int):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.bench import training_step
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import training_step
 
     backend = "xla" if name == "training_xla" else "cuda"
     c = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, hidden)), jnp.float32)

@@ -31,9 +31,9 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     import jax_ep
-    from jax_ep import _group
     from jax_ep.bench import timing
     from jax_ep.bench.record import provenance, write
+    from jax_ep.ep import group as _group
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from one_gpu_targets import floors

@@ -5,7 +5,7 @@
 
 ``step`` judges one step from its exit code (``timeout``'s 124 and 137: stopped at its limit; 77: skipped, the
 reason on the log's last ``SKIP:`` line), its log and its result file where it wrote one (bench/gpu_tests.py's
-outcomes, a tests/fuzz.py report, a jax_ep.bench result), appends the verdict to STEPS.jsonl as one JSON line and
+outcomes, a tools/fuzz.py report, a jax_ep.bench result), appends the verdict to STEPS.jsonl as one JSON line and
 prints it (``PASS name (12 s of 60): reason``). A test step whose every test skipped is a SKIP with pytest's reason;
 one stopped at its limit is a FAIL that says how far it got. ``--skip`` records a step the suite did not start.
 
@@ -91,14 +91,14 @@ def judge(rc: int, limit: int, log: Path, result: dict | None) -> tuple[str, str
             lines = []
         said = [line.split("SKIP:", 1)[1].strip() for line in lines if "SKIP:" in line]
         return "SKIP", said[-1] if said else "exit 77"
-    if result is not None and "mismatching_cases" in result:  # tests/fuzz.py
+    if result is not None and "mismatching_cases" in result:  # tools/fuzz.py
         cases, bad = result.get("cases", 0), result["mismatching_cases"]
         wall = result.get("time", {}).get("wall_s")
         summary = f"{cases} cases, {bad} mismatching ({wall} s of cases)"
         if rc != 0 or bad:
             seeds = [m["seed"] for m in result.get("mismatches", [])][:3]
             return "FAIL", summary + (
-                f"; replay: python tests/fuzz.py --replay {seeds[0]} (seeds {seeds})" if seeds else ""
+                f"; replay: python tools/fuzz.py --replay {seeds[0]} (seeds {seeds})" if seeds else ""
             )
         return ("PASS", summary) if cases else ("FAIL", "no case ran (no time after starting?)")
     if rc != 0:

@@ -1,9 +1,9 @@
 """jax_ep: expert-parallel dispatch and combine for JAX MoE layers."""
 
-from ._api import combine, combine_finish, combine_start, default_capacity, dispatch, dispatch_finish, dispatch_start
-from ._group import Group, buffer_size_hint, cuda_available, finalize, initialize, nccl_ranks
-from ._grouped_matmul import grouped_matmul
-from ._types import Dispatched, Handle, PendingCombine, PendingDispatch
+from .ep.group import Group, buffer_size_hint, cuda_available, finalize, initialize, nccl_ranks
+from .ep.ops import combine, combine_finish, combine_start, default_capacity, dispatch, dispatch_finish, dispatch_start
+from .ep.types import Dispatched, Handle, PendingCombine, PendingDispatch
+from .gmm.grouped_matmul import grouped_matmul
 
 __all__ = [
     "Dispatched",

@@ -17,13 +17,20 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._api import combine, dispatch, dispatch_finish, dispatch_start
-from ._fp8 import check_wire_dtype
-from ._grouped_matmul import grouped_matmul
-from ._types import LAYOUTS
 from ._validate import check_choice, check_positive_int
+from .ep.fp8 import check_wire_dtype
+from .ep.ops import combine, dispatch, dispatch_finish, dispatch_start
+from .ep.types import LAYOUTS
+from .gmm.grouped_matmul import grouped_matmul
 
 ROUTERS = ("softmax", "sigmoid")
+# MoE's remat choices and the jax.checkpoint policy of each (names from jax_ep.dispatch).
+REMATS = {
+    None: None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "handle": jax.checkpoint_policies.save_only_these_names("jax_ep_handle"),
+    "rows": jax.checkpoint_policies.save_only_these_names("jax_ep_handle", "jax_ep_rows"),
+}
 
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -156,6 +163,7 @@ class MoE(nnx.Module):
         expert_alignment: int = 1,
         wire_dtype: Any = None,
         overlap: bool = False,
+        remat: str | None = None,
         param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ) -> None:
@@ -190,6 +198,18 @@ class MoE(nnx.Module):
             ``jax.lax.optimization_barrier``), so it runs while the peers'
             tokens travel. Same results as without; no effect without a
             shared expert (the whole ops then save the split's extra launch).
+          remat: None, or recompute the dispatch, the experts and combine in
+            the backward pass (``jax.checkpoint``; the router's outputs are
+            kept), keeping: ``"full"`` nothing more (the recompute routes and
+            dispatches again); ``"handle"``
+            also the dispatch's handle, weights and group sizes (int32 and
+            float32 arrays of about ``R*T*K + 2*C`` elements per rank; the
+            recompute moves the rows again along the saved handle but routes
+            nothing);
+            ``"rows"`` also the dispatched rows (``C * H`` of ``x``'s dtype;
+            the recompute runs no dispatch). Gradients are the same bit for
+            bit. ``"handle"`` dispatches with ``transfer="separate"`` and
+            cannot be combined with ``overlap``.
           param_dtype: dtype of the expert weights.
           rngs: ``nnx.Rngs`` with a ``params`` stream.
         """
@@ -231,6 +251,12 @@ class MoE(nnx.Module):
         check_positive_int("expert_alignment", expert_alignment)
         if not isinstance(overlap, bool):
             raise TypeError(f"jax_ep.nn.MoE: overlap must be a bool, got {overlap!r}")
+        check_choice("remat", remat, REMATS)
+        if remat == "handle" and overlap:
+            raise ValueError(
+                "jax_ep.nn.MoE: remat='handle' routes and moves the rows in separate exchanges, which the split "
+                "ops of overlap=True do not; use remat='rows' or 'full' with overlap, or overlap=False"
+            )
         self.hidden = hidden
         self.num_experts = num_experts
         self.topk = topk
@@ -244,6 +270,7 @@ class MoE(nnx.Module):
         self.expert_alignment = expert_alignment
         self.wire_dtype = wire_dtype
         self.overlap = overlap
+        self.remat = remat
         self.router_kernel = nnx.Param(
             nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None), mesh=mesh)(
                 rngs.params(), (hidden, num_experts), jnp.float32
@@ -342,6 +369,23 @@ class MoE(nnx.Module):
                 topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
                 probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
 
+        body = functools.partial(self._experts_and_exchange, params=params)
+        if self.remat is not None:
+            body = jax.checkpoint(body, policy=REMATS[self.remat])
+        out, num_dropped = body(x, topk_idx, topk_weights)
+
+        with jax.named_scope("aux_loss"):
+            slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
+            slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), num_dropped), self.token_axes)
+            aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
+        return out, aux_loss, num_dropped
+
+    def _experts_and_exchange(
+        self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, params: dict[str, Any]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatch, the experts, combine and the shared expert: ``out [T, H]`` and this rank's ``num_dropped``.
+        This is what ``remat`` recomputes."""
+
         def shared_expert(x):
             with jax.named_scope("shared_expert"):
                 return _mlp(x, params["shared"], jnp.matmul, self.activation)
@@ -355,6 +399,7 @@ class MoE(nnx.Module):
                 capacity=self.capacity,
                 expert_alignment=self.expert_alignment,
                 wire_dtype=self.wire_dtype,
+                transfer="separate" if self.remat == "handle" else "fused",
             )
             if self.overlap and "shared" in params:
                 # Optimization barriers pin the shared expert between the start and the finish in XLA's schedule.
@@ -374,9 +419,4 @@ class MoE(nnx.Module):
             out = combine(y, d.handle, weights=d.weights)
         if "shared" in params:
             out = out + (shared if shared is not None else shared_expert(x))
-
-        with jax.named_scope("aux_loss"):
-            slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
-            slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), d.num_dropped), self.token_axes)
-            aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
-        return out, aux_loss, num_dropped
+        return out, d.num_dropped

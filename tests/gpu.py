@@ -30,7 +30,7 @@ def require_gpu(reason: str = "needs an NVIDIA GPU", *, needed: bool | None = No
 
 def require_cuda(min_gpus: int = 1) -> Marks:
     """Marks ``gpu`` and a skip unless ``min_gpus`` GPUs and the CUDA extension are here."""
-    from jax_ep import _group
+    from jax_ep.ep import group as _group
 
     count = len(gpu_devices())
     return require_gpu(

@@ -120,7 +120,7 @@ def assert_bits_equal(actual: np.ndarray, expected: np.ndarray, err_msg: str = "
 
 
 def quantize_dequantize(x: np.ndarray) -> np.ndarray:
-    """FP8 dispatch's formula in NumPy, independent of jax_ep._fp8: per 128 values, scale = amax / 448 (1 if all
+    """FP8 dispatch's formula in NumPy, independent of jax_ep.ep.fp8: per 128 values, scale = amax / 448 (1 if all
     zero), q = e4m3(x / scale), back as q * scale in x's dtype."""
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 128)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)

@@ -75,13 +75,13 @@ def test_multiprocess_bench_cpu_dry_run(tmp_path):
     """Two processes under jax.distributed run the same timing loops together (xla backend, gloo on CPU)."""
     out = tmp_path / "multiprocess.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(out), "--platform", "cpu"]
+    command = [sys.executable, str(ROOT / "bench" / "multiprocess.py"), str(out), "--platform", "cpu"]
     command += ["--backends", "xla", "--tokens", "64", "--hidden", "128", "--iters", "20", "--timeout", "240"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and len(result["devices"]) == 2
-    assert result["command"].startswith("python -m jax_ep.bench.multiprocess")
+    assert result["command"].startswith("python bench/multiprocess.py")
     assert set(result["xla"]) >= {"dispatch_us", "combine_us", "dispatch_gbps", "combine_gbps"}
     assert "process 1, xla" in done.stdout and "process 0, xla" in done.stdout
 

@@ -266,7 +266,7 @@ def _fp8_case(mesh, layout, hidden):
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_fp8_dispatch_is_the_formula_on_the_gpu(mesh, layout, hidden):
     """wire_dtype=float8_e4m3fn on the GPU: d.x equals the NumPy formula dispatched without FP8, bit for bit,
-    on both backends (XLA's GPU division is approximate: jax_ep._division corrects it), with an all-zero
+    on both backends (XLA's GPU division is approximate: jax_ep.ep.division corrects it), with an all-zero
     block and a huge outlier that stay finite; FP8 did change the rows."""
     x, idx, w, kw, formula = _fp8_case(mesh, layout, hidden)
     for backend in ("cuda", "xla"):
@@ -359,6 +359,11 @@ def _fails_with_a_split_op_open(mesh, transport, inputs):
     _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
+def _positions_and_link(pending):
+    started = pending.started
+    return started.token_dest_pos, started.slot_dest, started.link
+
+
 @pytest.mark.parametrize("tokens", [64, 512], ids=["one_chunk", "two_chunks"])
 def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, transport, tokens):
     """Two dispatch_starts in a row: the first writes real positions and link 0 and stays open, the second
@@ -372,7 +377,7 @@ def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, tra
     spec = P("ep")
     start = jax.jit(
         jax.shard_map(
-            lambda *a: jax_ep.dispatch_start(*a, num_experts=16, axis_name="ep", backend="cuda").started[3:],
+            lambda *a: _positions_and_link(jax_ep.dispatch_start(*a, num_experts=16, axis_name="ep", backend="cuda")),
             in_specs=spec,
             out_specs=spec,
         )
@@ -466,7 +471,7 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
     """Only rank 0 enters a combine: it gives up after timeout_s (over NCCL: the watchdog aborts the
     communicator), its outputs are NaN, and the next call and Group.check fail naming what happened."""
     import jax_ep
-    from jax_ep import _group
+    from jax_ep.ep import group as _group
 
     ranks = mesh.devices.size
     if ranks < 2:
@@ -508,7 +513,7 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
     _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
-SCAN_SCRIPT = Path(__file__).with_name("command_buffer_scan.py")
+SCAN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "command_buffer_scan.py"
 
 
 @pytest.mark.parametrize("split", ["0", "1"])

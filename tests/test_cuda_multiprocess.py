@@ -8,12 +8,14 @@ from gpu import require_cuda
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = Path(__file__).with_name("multiprocess_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tools" / "multiprocess_worker.py"
 
 
 def _run_pair(mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """Both workers' exit codes and outputs."""
-    from jax_ep.bench.multiprocess import run_workers
+    sys.path.insert(0, str(ROOT / "bench"))  # bench/multiprocess.py
+    from multiprocess import run_workers
 
     logs = [tmp_path / f"{mode}_{i}.log" for i in range(2)]
     codes = run_workers(
@@ -83,7 +85,7 @@ def test_a_mesh_in_another_device_order_is_an_error(tmp_path):
 @require_cuda(min_gpus=1)
 @pytest.mark.parametrize("split", ["0", "1"])
 def test_a_training_scan_under_command_buffers_with_two_processes(tmp_path, split):
-    """tests/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0, with
+    """tools/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0, with
     the whole ops and with the split ops (a matmul between dispatch_start and dispatch_finish)."""
     from command_buffer_scan import COMMAND_BUFFER_FLAGS
 

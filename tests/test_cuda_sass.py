@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from jax_ep import _group
+from jax_ep.ep import group as _group
 
 
 def _tool_dir():

@@ -1,14 +1,12 @@
 """The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs).
 
 There are no GPUs, so no :class:`jax_ep.Group`: the tests take the CPU devices for GPUs and put a stand-in group
-for axis "ep" into ``jax_ep._group``'s registry, which is where ``backends/cuda.py:find_group`` looks. Where the CUDA
-extension is not built, a stand-in extension that registers no FFI target takes its place: tracing
-never looks a target up (only compiling does), so the calls are checked on every machine.
+for axis "ep" into ``jax_ep.ep.group``'s registry, which is where ``backends/cuda.py:find_group`` looks. They need
+the CUDA extension (CI builds it), whose result names and limits the calls are built from.
 """
 
 import re
 from collections import Counter
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _group
+from jax_ep.ep import group as _group
 
 TARGETS = tuple(
     f"jax_ep_{op}{half}" for op in ("dispatch", "combine", "combine_backward") for half in ("", "_start", "_finish")
@@ -27,16 +25,13 @@ GROUP_ID = 4242
 
 @pytest.fixture
 def extension(monkeypatch):
-    """The CUDA extension, or a stand-in that registers nothing when it is not built; and the CPU devices taken
-    for GPUs, so that backend "cuda" traces here."""
-    from jax_ep.backends import cuda
+    """The CUDA extension (its result names and limits shape what is traced), and the CPU devices taken for GPUs,
+    so that backend "cuda" traces here."""
+    from jax_ep.ep.backends import cuda
 
-    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
     if not _group.available():
-        fake = SimpleNamespace(type_registrations=dict, registrations=dict)
-        monkeypatch.setattr(_group, "_extension", fake)
-        monkeypatch.setattr(_group, "_import_error", None)
-        monkeypatch.setattr(_group, "_registered", False)
+        pytest.skip(f"needs the CUDA extension (built wherever nvcc is found): {_group.unavailable_reason()}")
+    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
     return _group.extension()
 
 
@@ -196,9 +191,10 @@ def test_cuda_with_a_group_of_another_size_is_a_clear_error(monkeypatch, extensi
 
 def test_cuda_topk_over_the_kernels_limit_is_a_clear_error(monkeypatch, extension):
     _stand_in_group(monkeypatch)
-    topk = _group.MAX_TOPK + 1
+    max_topk = _group.limits()["max_topk"]
+    topk = max_topk + 1
     with (
         jax.set_mesh(cpu_mesh((2,), ("ep",))),
-        pytest.raises(ValueError, match=f"topk must be at most {_group.MAX_TOPK}.*got {topk}"),
+        pytest.raises(ValueError, match=f"topk must be at most {max_topk}.*got {topk}"),
     ):
         _trace_cuda_dispatch(topk)

@@ -205,8 +205,8 @@ def test_auto_backend_equals_xla():
 def test_auto_backend_takes_cuda_only_where_a_group_serves(monkeypatch):
     """backends.resolve, which dispatch asks: "auto" is "cuda" (with the group's id) where cuda.find_group offers a
     group, else "xla"; "cuda" where no group can serve is a ValueError; "xla" is "xla" even where one could."""
-    from jax_ep import backends
-    from jax_ep.backends import cuda
+    from jax_ep.ep import backends
+    from jax_ep.ep.backends import cuda
 
     where = (AXIS, 4, K, E)
     assert not cuda.on_gpus() and cuda.find_group(*where)[0] is None  # CPU: no group
@@ -308,10 +308,13 @@ def test_alignment_beyond_capacity_pads_nothing_more():
 
 
 def _producer(jaxpr, var) -> str:
-    """The primitive that computes ``var`` in ``jaxpr``, followed into nested calls (jit, shard_map, custom_vjp)."""
+    """The primitive that computes ``var`` in ``jaxpr``, followed into nested calls (jit, shard_map, custom_vjp)
+    and through checkpoint names (identities)."""
     for eqn in jaxpr.eqns:
         if var in eqn.outvars:
             index = eqn.outvars.index(var)
+            if eqn.primitive.name == "name":
+                return _producer(jaxpr, eqn.invars[index])
             for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
                 inner = eqn.params.get(name)
                 if inner is not None:

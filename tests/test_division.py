@@ -1,4 +1,4 @@
-"""jax_ep._division: float32 quotients rounded to nearest even, from a quotient up to 3 ulps off.
+"""jax_ep.ep.division: float32 quotients rounded to nearest even, from a quotient up to 3 ulps off.
 
 NumPy's float32 division is the oracle (IEEE). XLA's GPU division is up to 2 ulps off; here the quotients
 handed to divide_from are the exact ones moved by -3..3 ulps, so the correction itself is what is tested.
@@ -10,7 +10,7 @@ import pytest
 from gpu import gpu_devices, require_gpu
 from helpers import assert_bits_equal
 
-from jax_ep import _division
+from jax_ep.ep import division as _division
 
 N = 1 << 16
 

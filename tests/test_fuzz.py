@@ -1,8 +1,8 @@
-"""A bounded slice of the fuzzer (tests/fuzz.py) and proof that its checks catch wrong results.
+"""A bounded slice of the fuzzer (tools/fuzz.py) and proof that its checks catch wrong results.
 
 The slice: 200 fixed cases (campaign seed 0) over R = 1, 2, 4, 8, two shape buckets per R, backend "xla",
 every case bit for bit or within the contract's rounding of tests/reference.py. The bigger CPU campaign
-is ``python tests/fuzz.py --cases 10000`` (bench/results/reliability_fuzz_cpu.json).
+is ``python tools/fuzz.py --cases 10000`` (bench/results/reliability_fuzz_cpu.json).
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ def slice_report():
 def test_fuzz_slice_has_no_mismatch(slice_report):
     report = slice_report
     details = "\n".join(f"seed {m['seed']}: {m['case']}\n  {m['mismatches'][0]}" for m in report["mismatches"])
-    assert report["mismatching_cases"] == 0, f"replay with python tests/fuzz.py --replay SEED:\n{details}"
+    assert report["mismatching_cases"] == 0, f"replay with python tools/fuzz.py --replay SEED:\n{details}"
     assert report["cases"] == SLICE["cases"]
     counts = report["counts"]
     # The slice covers what the fuzzer is for.
@@ -222,7 +222,7 @@ def test_checker_catches_nondeterminism(checked_case):
 def test_fuzzer_finds_an_injected_bug(monkeypatch):
     """A real bug in the xla backend, not only a corrupted result: combine summing a token's rows in descending
     instead of ascending row order (which the contract fixes) is caught by the bit-for-bit order checks."""
-    from jax_ep.backends import xla
+    from jax_ep.ep.backends import xla
 
     bucket = fuzz.Bucket(
         num_ranks=2,

@@ -15,10 +15,10 @@ from gpu import require_gpu
 from helpers import slow
 
 import jax_ep
-from jax_ep import _grouped_matmul as gm
-from jax_ep import _padded_gmm as padded
-from jax_ep._mosaic_gmm import Blocks, num_row_tiles, tile_table
-from jax_ep._padded_gmm import padded_rows
+from jax_ep.gmm import grouped_matmul as gm
+from jax_ep.gmm import padded as padded
+from jax_ep.gmm.mosaic import Blocks, num_row_tiles, tile_table
+from jax_ep.gmm.padded import padded_rows
 
 # (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
 CASES = {

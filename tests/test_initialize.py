@@ -7,9 +7,16 @@ import pytest
 from conftest import cpu_mesh
 
 import jax_ep
-from jax_ep import _group
+from jax_ep.ep import group as _group
 
 SIZES = dict(num_tokens=16, hidden=8, topk=2, num_experts=8)
+
+
+@pytest.fixture
+def built():
+    """Skips where the CUDA extension, which computes buffer_size_hint (ffi/kernels/launch.h), is not built."""
+    if not _group.available():
+        pytest.skip(f"the CUDA extension is not built: {_group.unavailable_reason()}")
 
 
 def test_a_cpu_mesh_is_refused():
@@ -69,18 +76,25 @@ def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize)
         (4, 2, 3, 1, 2, jnp.float32),  # fewer experts than ranks: L counts as 1
     ],
 )
-def test_buffer_size_hint_is_the_documented_formula(num_ranks, num_tokens, hidden, topk, num_experts, dtype):
+def test_buffer_size_hint_is_the_documented_formula(built, num_ranks, num_tokens, hidden, topk, num_experts, dtype):
     sizes = dict(num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
     hint = jax_ep.buffer_size_hint(**sizes, dtype=dtype)
     assert hint == _documented_hint(**sizes, itemsize=jnp.dtype(dtype).itemsize)
     assert hint == jax_ep.buffer_size_hint(**sizes, dtype=jnp.dtype(dtype))  # a dtype object or a type alike
 
 
-def test_buffer_size_hint_default_dtype_is_float32_and_covers_float32_partials():
+def test_buffer_size_hint_default_dtype_is_float32_and_covers_float32_partials(built):
     """The default dtype is float32: room for combine's float32 partial sums of bf16 tokens."""
     sizes = dict(num_ranks=2, num_tokens=16, hidden=8, topk=2, num_experts=8)
     assert jax_ep.buffer_size_hint(**sizes) == jax_ep.buffer_size_hint(**sizes, dtype=jnp.float32)
     assert jax_ep.buffer_size_hint(**sizes) > jax_ep.buffer_size_hint(**sizes, dtype=jnp.bfloat16)
+
+
+def test_buffer_size_hint_without_the_extension_says_why(monkeypatch):
+    monkeypatch.setattr(_group, "_extension", None)
+    monkeypatch.setattr(_group, "_import_error", ImportError("no _jax_ep_cuda here"))
+    with pytest.raises(RuntimeError, match="backend 'cuda' is not available: .*no _jax_ep_cuda here"):
+        jax_ep.buffer_size_hint(num_ranks=2, **SIZES)
 
 
 def test_transport_must_be_known():
@@ -103,12 +117,8 @@ def test_a_refused_initialize_creates_no_group():
     assert _group.group_for("ep") is None and jax_ep.nccl_ranks() == {}
 
 
-def test_the_default_sm_budget_leaves_32_sms_to_a_group_of_several_gpus():
+def test_the_default_sm_budget_leaves_32_sms_to_a_group_of_several_gpus(built):
     """ffi/runtime/group.h DefaultNumSms: every SM for a group of one GPU, else all but 32, at least half."""
-    from jax_ep import _group
-
-    if not _group.available():
-        pytest.skip(f"the CUDA extension is not built: {_group.unavailable_reason()}")
     default = _group._extension.default_num_sms
     assert default(132, 1) == 132 and default(132, 2) == 100 and default(132, 8) == 100
     assert default(40, 2) == 20 and default(41, 4) == 21  # at most half the GPU left

@@ -1,4 +1,4 @@
-"""The padded grouped matmul's row-copy kernels (jax_ep._row_copies) against its XLA row copies.
+"""The padded grouped matmul's row-copy kernels (jax_ep.gmm.row_copies) against its XLA row copies.
 
 On CPU the Pallas kernels run in interpret mode, on arrays with spare rows at the end (the interpreter clamps a
 block that runs past the array, where Triton masks it); on a CUDA GPU they run compiled, on every edge: the last
@@ -15,8 +15,8 @@ from gpu import gpu_devices, require_gpu
 from helpers import slow
 from jax.experimental import pallas as pl
 
-from jax_ep import _padded_gmm as padded
-from jax_ep import _row_copies as rc
+from jax_ep.gmm import padded as padded
+from jax_ep.gmm import row_copies as rc
 
 ON_CUDA = bool(gpu_devices())
 # (rows a group, columns, group sizes, rows past the groups)

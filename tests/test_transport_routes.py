@@ -7,7 +7,7 @@ import threading
 import jax
 import pytest
 
-from jax_ep import _group
+from jax_ep.ep import group as _group
 
 GROUP = 3  # the id of the initialize call whose keys the processes swap
 _thread = threading.local()  # the stand-in process a thread runs as: index and host name

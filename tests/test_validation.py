@@ -349,7 +349,7 @@ def test_backend_cuda_on_cpu_devices_says_it_needs_gpus():
 
 def test_the_missing_extension_reason_says_what_happened(tmp_path):
     """Imported from a source checkout with no built extension: not "circular import", but where and what to do."""
-    from jax_ep._group import why_not_loaded
+    from jax_ep.ep.group import why_not_loaded
 
     error = ImportError("cannot import name '_jax_ep_cuda' from partially initialized module 'jax_ep'")
     package = tmp_path / "jax_ep"

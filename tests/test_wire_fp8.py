@@ -1,6 +1,6 @@
 """dispatch(..., wire_dtype=jnp.float8_e4m3fn): rows as e4m3 with one float32 scale per 128 values.
 
-The oracle quantizes with NumPy and ml_dtypes, independently of jax_ep._fp8.
+The oracle quantizes with NumPy and ml_dtypes, independently of jax_ep.ep.fp8.
 """
 
 import jax
@@ -22,7 +22,7 @@ from helpers import (
 )
 
 import jax_ep
-from jax_ep import _fp8
+from jax_ep.ep import fp8 as _fp8
 
 R, T, K, E = 2, 8, 3, 8
 
@@ -60,7 +60,7 @@ def test_the_packed_row_is_values_then_scales():
 
 
 def test_the_e4m3_conversions_match_ml_dtypes_bit_for_bit():
-    """jax_ep._fp8's integer rounding to e4m3 (ties to even, NaN past 464) and its exact way back, against
+    """jax_ep.ep.fp8's integer rounding to e4m3 (ties to even, NaN past 464) and its exact way back, against
     ml_dtypes over every e4m3 value, the ties between neighbours, subnormals, and random float32 values."""
     codes = np.arange(256, dtype=np.uint8)
     values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)

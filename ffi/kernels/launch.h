@@ -151,6 +151,14 @@ struct CombineRegion {
   }
 };
 
+// Staging bytes per GPU for calls of up to these sizes (jax_ep.buffer_size_hint): two halves (a call never
+// overwrites what a peer may still read of the call before), each a region per source rank. The dispatch's region
+// is the largest: a combine's, for the same row bytes, has 4 bytes per slot where it has 12, and no counts.
+inline int64_t StagingBytes(int64_t num_ranks, int64_t num_tokens, int64_t row_bytes, int64_t topk,
+                            int64_t local_experts) {
+  return 2 * num_ranks * DispatchRegion(num_tokens, topk, local_experts, row_bytes).bytes;
+}
+
 // The routing kernel's scratch (int32 offsets) for T tokens, K slots, E experts and R ranks.
 struct RoutingScratch {
   int64_t tokens_per_chunk = 1, chunks = 0, warps = 0;
@@ -168,7 +176,7 @@ using NcclSwap = std::function<Status(int64_t region_bytes)>;
 
 enum class FloatType { kF32, kBF16, kF16 };
 
-// Dispatch: routing of topk_idx and the tokens' trip into the layout; outputs as jax_ep/backends/cuda.py
+// Dispatch: routing of topk_idx and the tokens' trip into the layout; outputs as kTargets (ffi/xla/handlers.h)
 // names them. x is [T, row_bytes]; the layout has num_rows rows of row_bytes. A start writes token_dest_pos and
 // slot_dest (the other outputs may be null), a finish the others (those two may be null).
 struct DispatchCall {

@@ -3,8 +3,11 @@
 // host, so XLA may capture them in command buffers (CUDA graphs).
 #include "handlers.h"
 
+#include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "../runtime/group.h"
@@ -19,11 +22,6 @@ using I32Matrix = ffi::Buffer<ffi::S32, 2>;
 using I32Cube = ffi::Buffer<ffi::S32, 3>;
 using F32Vector = ffi::Buffer<ffi::F32, 1>;
 using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using I32ScalarResult = ffi::ResultBuffer<ffi::S32, 0>;
-using I32VectorResult = ffi::ResultBuffer<ffi::S32, 1>;
-using I32MatrixResult = ffi::ResultBuffer<ffi::S32, 2>;
-using I32CubeResult = ffi::ResultBuffer<ffi::S32, 3>;
-using F32VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
 
 namespace jax_ep {
 
@@ -121,41 +119,156 @@ ffi::ErrorOr<FloatType> TypeOf(const char* op, ffi::DataType type) {
     if (error_.failure()) return error_; \
   } while (0)
 
-// A dispatch's outputs; null where the phase does not write them (a start writes token_dest_pos and
-// slot_dest, a finish the others).
+// Where `name` is in the results `target` lists, else -1.
+constexpr int ResultIndex(const Target& target, std::string_view name) {
+  for (int index = 0; index < kMaxResults && target.results[index] != nullptr; ++index) {
+    if (name == target.results[index]) return index;
+  }
+  return -1;
+}
+
+constexpr size_t NumResults(const Target& target) {
+  size_t count = 0;
+  while (count < kMaxResults && target.results[count] != nullptr) ++count;
+  return count;
+}
+
+// The entry of kTargets whose execute handler is `execute`, found while compiling: a handler the table does not
+// list does not build.
+constexpr const Target& TargetOf(XLA_FFI_Handler* execute) {
+  size_t index = 0;
+  while (kTargets[index].execute != execute) ++index;
+  return kTargets[index];
+}
+
+template <XLA_FFI_Handler* execute>
+constexpr const Target& kTarget = TargetOf(execute);
+
+// A call's results, each taken by its name in its target's entry of kTargets.
+class Results {
+ public:
+  Results(const Target& target, ffi::RemainingRets rets) : target_(target), rets_(rets) {}
+
+  ffi::Error CheckCount() const {
+    return Expect(target_.name, "the number of results", rets_.size() == NumResults(target_),
+                  Str(NumResults(target_)) + " (its list in kTargets)", Str(rets_.size()));
+  }
+
+  // Sets *result to the result `name`; leaves it absent when the target does not list `name`.
+  template <typename Buffer>
+  ffi::Error Take(const char* name, std::optional<Buffer>* result) {
+    const int index = ResultIndex(target_, name);
+    if (index < 0) return ffi::Error::Success();
+    ffi::ErrorOr<ffi::Result<Buffer>> taken = rets_.get<Buffer>(index);
+    if (taken.has_error()) {
+      return ffi::Error::InvalidArgument(std::string(target_.name) + ": result " + name + ": " +
+                                         taken.error().message());
+    }
+    result->emplace(**taken);
+    ++taken_;
+    return ffi::Error::Success();
+  }
+
+  // The handler took every result the target lists.
+  ffi::Error CheckAllTaken() const {
+    if (taken_ == NumResults(target_)) return ffi::Error::Success();
+    return ffi::Error::Internal(std::string(target_.name) + ": the handler takes " + Str(taken_) + " of the " +
+                                Str(NumResults(target_)) + " results its entry of kTargets lists");
+  }
+
+ private:
+  const Target& target_;
+  ffi::RemainingRets rets_;
+  size_t taken_ = 0;
+};
+
+// The outputs of a call of `target`, taken from `rets` by their names (Outputs::TakeFrom).
+template <typename Outputs>
+ffi::ErrorOr<Outputs> OutputsOf(const Target& target, ffi::RemainingRets rets) {
+  Results results(target, rets);
+  Outputs outputs;
+  ffi::Error error = results.CheckCount();
+  if (error.success()) error = outputs.TakeFrom(results);
+  if (error.success()) error = results.CheckAllTaken();
+  if (error.failure()) return ffi::Unexpected(error);
+  return outputs;
+}
+
+// A dispatch's outputs; absent where the phase does not write them (a start writes token_dest_pos, slot_dest and
+// sent, a finish the others).
 struct DispatchOutputs {
-  ffi::Result<ffi::AnyBuffer>* x = nullptr;
-  F32VectorResult* weights = nullptr;
-  I32VectorResult* group_sizes = nullptr;
-  I32ScalarResult *num_dropped = nullptr, *num_invalid = nullptr;
-  I32MatrixResult* token_dest_pos = nullptr;
-  I32VectorResult* send_counts = nullptr;
-  I32MatrixResult* slot_dest = nullptr;
-  I32CubeResult* recv_rows = nullptr;
-  I32VectorResult *recv_counts = nullptr, *row_slot = nullptr;
-  F32VectorResult* sent = nullptr;  // a start's
+  std::optional<ffi::AnyBuffer> x;
+  std::optional<F32Vector> weights, sent;
+  std::optional<I32Vector> group_sizes, send_counts, recv_counts, row_slot;
+  std::optional<I32Scalar> num_dropped, num_invalid;
+  std::optional<I32Matrix> token_dest_pos, slot_dest;
+  std::optional<I32Cube> recv_rows;
+
+  ffi::Error TakeFrom(Results& results) {
+    JAX_EP_RETURN_IF_ERROR(results.Take("x", &x));
+    JAX_EP_RETURN_IF_ERROR(results.Take("weights", &weights));
+    JAX_EP_RETURN_IF_ERROR(results.Take("group_sizes", &group_sizes));
+    JAX_EP_RETURN_IF_ERROR(results.Take("num_dropped", &num_dropped));
+    JAX_EP_RETURN_IF_ERROR(results.Take("num_invalid", &num_invalid));
+    JAX_EP_RETURN_IF_ERROR(results.Take("token_dest_pos", &token_dest_pos));
+    JAX_EP_RETURN_IF_ERROR(results.Take("send_counts", &send_counts));
+    JAX_EP_RETURN_IF_ERROR(results.Take("slot_dest", &slot_dest));
+    JAX_EP_RETURN_IF_ERROR(results.Take("recv_rows", &recv_rows));
+    JAX_EP_RETURN_IF_ERROR(results.Take("recv_counts", &recv_counts));
+    JAX_EP_RETURN_IF_ERROR(results.Take("row_slot", &row_slot));
+    return results.Take("sent", &sent);
+  }
+};
+
+// The backward pass of combine's outputs; a start writes only sent.
+struct CombineBackwardOutputs {
+  std::optional<ffi::AnyBuffer> dy;
+  std::optional<F32Vector> dweights, sent;
+
+  ffi::Error TakeFrom(Results& results) {
+    JAX_EP_RETURN_IF_ERROR(results.Take("dy", &dy));
+    JAX_EP_RETURN_IF_ERROR(results.Take("dweights", &dweights));
+    return results.Take("sent", &sent);
+  }
+};
+
+// A combine's outputs; a start writes only sent.
+struct CombineOutputs {
+  std::optional<ffi::AnyBuffer> out, slot_values;
+  std::optional<F32Vector> sent;
+
+  ffi::Error TakeFrom(Results& results) {
+    JAX_EP_RETURN_IF_ERROR(results.Take("out", &out));
+    JAX_EP_RETURN_IF_ERROR(results.Take("slot_values", &slot_values));
+    return results.Take("sent", &sent);
+  }
 };
 
 // The data of an output the phase writes, else null.
-template <typename Result>
-auto DataOf(Result* result) -> decltype((*result)->typed_data()) {
-  return result == nullptr ? nullptr : (*result)->typed_data();
+template <typename Buffer>
+auto DataOf(const std::optional<Buffer>& result) -> decltype(result->typed_data()) {
+  return result ? result->typed_data() : nullptr;
 }
 
 // Whether an output the phase writes has `count` elements (true for one it does not write).
-template <typename Result>
-bool Holds(Result* result, int64_t count) {
-  return result == nullptr || (*result)->element_count() == static_cast<size_t>(count);
+template <typename Buffer>
+bool Holds(const std::optional<Buffer>& result, int64_t count) {
+  return !result || result->element_count() == static_cast<size_t>(count);
 }
 
-template <typename Result>
-std::string DimsOf(Result* result) {
-  return result == nullptr ? "none" : Dims((*result)->dimensions());
+template <typename Buffer>
+std::string DimsOf(const std::optional<Buffer>& result) {
+  return result ? Dims(result->dimensions()) : "none";
 }
 
-ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t num_experts,
-                       bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
-                       F32Matrix topk_weights, I32Scalar axis_index, const DispatchOutputs& out, Phase phase) {
+ffi::Error RunDispatch(const Target& target, cudaStream_t stream, int32_t ordinal, GroupState* state,
+                       int64_t num_experts, bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
+                       I32Matrix topk_idx, F32Matrix topk_weights, I32Scalar axis_index, ffi::RemainingRets rets,
+                       Phase phase) {
+  const char* op = target.name;
+  const auto outputs = OutputsOf<DispatchOutputs>(target, rets);
+  if (outputs.has_error()) return outputs.error();
+  const DispatchOutputs& out = *outputs;
   auto device = FindDevice(op, ordinal, state);
   if (device.has_error()) return device.error();
   const int64_t R = (*device)->num_ranks;
@@ -173,8 +286,7 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
                                 "a positive multiple of R=" + Str(R), Str(num_experts)));
   JAX_EP_RETURN_IF_ERROR(Expect(op, "capacity", capacity >= 1 && alignment >= 1, "positive, as its alignment",
                                 Str(capacity) + " and " + Str(alignment)));
-  JAX_EP_RETURN_IF_ERROR(Expect(op, "out x",
-                                out.x == nullptr || (*out.x)->size_bytes() == static_cast<size_t>(N * row_bytes),
+  JAX_EP_RETURN_IF_ERROR(Expect(op, "out x", !out.x || out.x->size_bytes() == static_cast<size_t>(N * row_bytes),
                                 Str(N) + " rows of " + Str(row_bytes) + " bytes", DimsOf(out.x)));
   JAX_EP_RETURN_IF_ERROR(Expect(op, "weights", Holds(out.weights, N),
                                 "[N] with N = " + std::string(expert_layout ? "L * C" : "C") + " = " + Str(N),
@@ -202,7 +314,7 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
   call.alignment = alignment;
   call.num_rows = N;
   call.expert_layout = expert_layout;
-  call.out_x = out.x == nullptr ? nullptr : static_cast<char*>((*out.x)->untyped_data());
+  call.out_x = out.x ? static_cast<char*>(out.x->untyped_data()) : nullptr;
   call.out_weights = DataOf(out.weights);
   call.group_sizes = DataOf(out.group_sizes);
   call.num_dropped = DataOf(out.num_dropped);
@@ -219,61 +331,50 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
 
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
                     bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
-                    F32Matrix topk_weights, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out_x,
-                    F32VectorResult out_weights, I32VectorResult group_sizes, I32ScalarResult num_dropped,
-                    I32ScalarResult num_invalid, I32MatrixResult token_dest_pos, I32VectorResult send_counts,
-                    I32MatrixResult slot_dest, I32CubeResult recv_rows, I32VectorResult recv_counts,
-                    I32VectorResult row_slot) {
-  const DispatchOutputs out{&out_x,          &out_weights, &group_sizes, &num_dropped, &num_invalid, &token_dest_pos,
-                            &send_counts,    &slot_dest,   &recv_rows,   &recv_counts, &row_slot};
-  return RunDispatch("jax_ep_dispatch", stream, ordinal, state, num_experts, expert_layout, capacity, alignment, x,
-                     topk_idx, topk_weights, axis_index, out, Phase::kWhole);
+                    F32Matrix topk_weights, I32Scalar axis_index, ffi::RemainingRets rets) {
+  return RunDispatch(kTarget<JaxEpDispatch>, stream, ordinal, state, num_experts, expert_layout, capacity, alignment, x,
+                     topk_idx, topk_weights, axis_index, rets, Phase::kWhole);
 }
 
 ffi::Error DispatchStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
-                         bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
-                         I32Matrix topk_idx, F32Matrix topk_weights, I32Scalar axis_index,
-                         I32MatrixResult token_dest_pos, I32MatrixResult slot_dest, F32VectorResult sent) {
-  DispatchOutputs out;
-  out.token_dest_pos = &token_dest_pos;
-  out.slot_dest = &slot_dest;
-  out.sent = &sent;
-  return RunDispatch("jax_ep_dispatch_start", stream, ordinal, state, num_experts, expert_layout, capacity,
-                     alignment, x, topk_idx, topk_weights, axis_index, out, Phase::kStart);
+                         bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
+                         F32Matrix topk_weights, I32Scalar axis_index, ffi::RemainingRets rets) {
+  return RunDispatch(kTarget<JaxEpDispatchStart>, stream, ordinal, state, num_experts, expert_layout, capacity,
+                     alignment, x, topk_idx, topk_weights, axis_index, rets, Phase::kStart);
 }
 
 // token_dest_pos and slot_dest (the start's outputs) are only its place in XLA's graph: after the start.
 ffi::Error DispatchFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, int64_t num_experts,
-                          bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x,
-                          I32Matrix topk_idx, F32Matrix topk_weights, I32Matrix, I32Matrix, I32Scalar axis_index,
-                          ffi::Result<ffi::AnyBuffer> out_x, F32VectorResult out_weights,
-                          I32VectorResult group_sizes, I32ScalarResult num_dropped, I32ScalarResult num_invalid,
-                          I32VectorResult send_counts, I32CubeResult recv_rows, I32VectorResult recv_counts,
-                          I32VectorResult row_slot) {
-  DispatchOutputs out{&out_x,       &out_weights, &group_sizes, &num_dropped, &num_invalid, nullptr,
-                      &send_counts, nullptr,      &recv_rows,   &recv_counts, &row_slot};
-  return RunDispatch("jax_ep_dispatch_finish", stream, ordinal, state, num_experts, expert_layout, capacity,
-                     alignment, x, topk_idx, topk_weights, axis_index, out, Phase::kFinish);
+                          bool expert_layout, int64_t capacity, int64_t alignment, ffi::AnyBuffer x, I32Matrix topk_idx,
+                          F32Matrix topk_weights, I32Matrix, I32Matrix, I32Scalar axis_index, ffi::RemainingRets rets) {
+  return RunDispatch(kTarget<JaxEpDispatchFinish>, stream, ordinal, state, num_experts, expert_layout, capacity,
+                     alignment, x, topk_idx, topk_weights, axis_index, rets, Phase::kFinish);
 }
 
-// dy and dweights: null in a start; sent: a start's output, else null.
-ffi::Error RunCombineBackward(const char* kOp, cudaStream_t stream, int32_t ordinal, GroupState* state,
+ffi::Error RunCombineBackward(const Target& target, cudaStream_t stream, int32_t ordinal, GroupState* state,
                               ffi::AnyBuffer g, ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos,
                               I32Cube recv_rows, I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
-                              ffi::Result<ffi::AnyBuffer>* dy, F32VectorResult* dweights, F32VectorResult* sent,
-                              Phase phase) {
+                              ffi::RemainingRets rets, Phase phase) {
+  const char* kOp = target.name;
+  const auto outputs = OutputsOf<CombineBackwardOutputs>(target, rets);
+  if (outputs.has_error()) return outputs.error();
+  const std::optional<ffi::AnyBuffer>& dy = outputs->dy;
+  const std::optional<F32Vector>& dweights = outputs->dweights;
+  const std::optional<F32Vector>& sent = outputs->sent;
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, y.element_type());
   if (type.has_error()) return type.error();
   const int64_t R = (*device)->num_ranks;
   const auto g_dims = g.dimensions(), y_dims = y.dimensions(), rows_dims = recv_rows.dimensions();
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "y", y_dims.size() == 2, "[N, H]", Dims(y_dims)));
-  const int64_t N = y_dims[0], H = y_dims[1];
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the cotangent", g_dims.size() == 2 && g_dims[1] == H &&
-                                    g.element_type() == y.element_type(),
-                                "[T, H=" + Str(H) + "] of y's dtype", Dims(g_dims)));
-  const int64_t T = g_dims[0];
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the cotangent", g_dims.size() == 2 && g.element_type() == y.element_type(),
+                                "[T, H] of y's dtype", Dims(g_dims)));
+  const int64_t T = g_dims[0], H = g_dims[1];
+  const bool has_weights = weights.element_count() != 0;
+  // Without weights y is not read: [N, 0] (the rows' transfer of transfer="separate") is enough.
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "y", y_dims.size() == 2 && (y_dims[1] == H || (!has_weights && y_dims[1] == 0)),
+                                "[N, H=" + Str(H) + "], or [N, 0] without weights", Dims(y_dims)));
+  const int64_t N = y_dims[0];
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_rows", rows_dims[0] == R && rows_dims[1] == T,
                                 "[R=" + Str(R) + ", T=" + Str(T) + ", K]", Dims(rows_dims)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", token_dest_pos.element_count() == static_cast<size_t>(T * R),
@@ -282,12 +383,11 @@ ffi::Error RunCombineBackward(const char* kOp, cudaStream_t stream, int32_t ordi
                                 Dims(recv_counts.dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "row_slot", row_slot.element_count() == static_cast<size_t>(N), "[N]",
                                 Dims(row_slot.dimensions())));
-  const bool has_weights = weights.element_count() != 0;
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "weights", !has_weights || weights.element_count() == static_cast<size_t>(N),
                                 "[N=" + Str(N) + "] or empty", Dims(weights.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dy", dy == nullptr || ((*dy)->element_count() == static_cast<size_t>(N * H) &&
-                                                              (*dy)->element_type() == y.element_type()),
-                                "[N, H] of y's dtype", DimsOf(dy)));
+  JAX_EP_RETURN_IF_ERROR(Expect(
+      kOp, "dy", !dy || (dy->element_count() == static_cast<size_t>(N * H) && dy->element_type() == y.element_type()),
+      "[N, H] of y's dtype", DimsOf(dy)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dweights", Holds(dweights, has_weights ? N : 0),
                                 has_weights ? "[N]" : "[0] without weights", DimsOf(dweights)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
@@ -305,7 +405,7 @@ ffi::Error RunCombineBackward(const char* kOp, cudaStream_t stream, int32_t ordi
   call.topk = rows_dims[2];
   call.num_rows = N;
   call.type = *type;
-  call.dy = dy == nullptr ? nullptr : (*dy)->untyped_data();
+  call.dy = dy ? dy->untyped_data() : nullptr;
   call.dweights = has_weights ? DataOf(dweights) : nullptr;
   call.sent = DataOf(sent);
   return ToFfi(kOp, LaunchCombineBackward(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
@@ -313,27 +413,26 @@ ffi::Error RunCombineBackward(const char* kOp, cudaStream_t stream, int32_t ordi
 
 ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
                            ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
-                           I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
-                           ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
-  return RunCombineBackward("jax_ep_combine_backward", stream, ordinal, state, g, y, weights, token_dest_pos,
-                            recv_rows, recv_counts, row_slot, axis_index, &dy, &dweights, nullptr, Phase::kWhole);
+                           I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index, ffi::RemainingRets rets) {
+  return RunCombineBackward(kTarget<JaxEpCombineBackward>, stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, rets, Phase::kWhole);
 }
 
 ffi::Error CombineBackwardStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
                                 ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
                                 I32Vector recv_counts, I32Vector row_slot, I32Scalar axis_index,
-                                F32VectorResult sent) {
-  return RunCombineBackward("jax_ep_combine_backward_start", stream, ordinal, state, g, y, weights, token_dest_pos,
-                            recv_rows, recv_counts, row_slot, axis_index, nullptr, nullptr, &sent, Phase::kStart);
+                                ffi::RemainingRets rets) {
+  return RunCombineBackward(kTarget<JaxEpCombineBackwardStart>, stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, rets, Phase::kStart);
 }
 
 // `sent` (the start's output) is only its place in XLA's graph: after the start.
 ffi::Error CombineBackwardFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
                                  ffi::AnyBuffer y, F32Vector weights, I32Matrix token_dest_pos, I32Cube recv_rows,
                                  I32Vector recv_counts, I32Vector row_slot, F32Vector, I32Scalar axis_index,
-                                 ffi::Result<ffi::AnyBuffer> dy, F32VectorResult dweights) {
-  return RunCombineBackward("jax_ep_combine_backward_finish", stream, ordinal, state, g, y, weights, token_dest_pos,
-                            recv_rows, recv_counts, row_slot, axis_index, &dy, &dweights, nullptr, Phase::kFinish);
+                                 ffi::RemainingRets rets) {
+  return RunCombineBackward(kTarget<JaxEpCombineBackwardFinish>, stream, ordinal, state, g, y, weights, token_dest_pos,
+                            recv_rows, recv_counts, row_slot, axis_index, rets, Phase::kFinish);
 }
 
 // The part of a combine call that every phase fills: where the tokens went, the shapes, and the outputs (null
@@ -356,12 +455,16 @@ CombineCall CombineCallOf(I32Scalar axis_index, I32Matrix token_dest_pos, I32Mat
   return call;
 }
 
-// out and slot_values: null in a start; sent: a start's output, else null.
-ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, GroupState* state, bool partial_f32,
+ffi::Error RunCombine(const Target& target, cudaStream_t stream, int32_t ordinal, GroupState* state, bool partial_f32,
                       ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                       I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
-                      ffi::Result<ffi::AnyBuffer>* out, ffi::Result<ffi::AnyBuffer>* slot_values,
-                      F32VectorResult* sent, Phase phase, bool stage_own) {
+                      ffi::RemainingRets rets, Phase phase, bool stage_own) {
+  const char* kOp = target.name;
+  const auto outputs = OutputsOf<CombineOutputs>(target, rets);
+  if (outputs.has_error()) return outputs.error();
+  const std::optional<ffi::AnyBuffer>& out = outputs->out;
+  const std::optional<ffi::AnyBuffer>& slot_values = outputs->slot_values;
+  const std::optional<F32Vector>& sent = outputs->sent;
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
   auto type = TypeOf(kOp, y.element_type());
@@ -384,16 +487,17 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
                                 Dims(slot_dest.dimensions())));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "recv_counts", recv_counts.element_count() == static_cast<size_t>(R), "[R]",
                                 Dims(recv_counts.dimensions())));
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out == nullptr || ((*out)->element_count() == static_cast<size_t>(T * H) &&
-                                                                (*out)->element_type() == y.element_type()),
-                                "[T, H] of y's dtype", DimsOf(out)));
+  JAX_EP_RETURN_IF_ERROR(
+      Expect(kOp, "out",
+             !out || (out->element_count() == static_cast<size_t>(T * H) && out->element_type() == y.element_type()),
+             "[T, H] of y's dtype", DimsOf(out)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(slot_values, T * K),
                                 "[T, K] with row_values", DimsOf(slot_values)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
-  const bool write_values = has_values && slot_values != nullptr;
+  const bool write_values = has_values && slot_values;
   CombineCall call = CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, stage_own,
-                                   out == nullptr ? nullptr : (*out)->untyped_data(),
-                                   write_values ? static_cast<float*>((*slot_values)->untyped_data()) : nullptr);
+                                   out ? out->untyped_data() : nullptr,
+                                   write_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr);
   call.y = y.untyped_data();
   call.weights = has_weights ? weights.typed_data() : nullptr;
   call.row_values = has_values ? row_values.typed_data() : nullptr;
@@ -405,21 +509,22 @@ ffi::Error RunCombine(const char* kOp, cudaStream_t stream, int32_t ordinal, Gro
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
                    F32Vector weights, F32Vector row_values, I32Cube recv_rows, I32Vector recv_counts,
-                   I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> slot_values) {
-  return RunCombine("jax_ep_combine", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
-                    recv_counts, token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kWhole,
-                    false);
+                   I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index, ffi::RemainingRets rets) {
+  return RunCombine(kTarget<JaxEpCombine>, stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
+                    recv_counts, token_dest_pos, slot_dest, axis_index, rets, Phase::kWhole, false);
 }
 
 ffi::Error CombineStart(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
                         bool stage_own, ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                         I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
-                        F32VectorResult sent) {
-  return RunCombine("jax_ep_combine_start", stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
-                    recv_counts, token_dest_pos, slot_dest, axis_index, nullptr, nullptr, &sent, Phase::kStart,
-                    stage_own);
+                        ffi::RemainingRets rets) {
+  return RunCombine(kTarget<JaxEpCombineStart>, stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows,
+                    recv_counts, token_dest_pos, slot_dest, axis_index, rets, Phase::kStart, stage_own);
 }
+
+// The stage_own finish below reads both results.
+static_assert(ResultIndex(kTarget<JaxEpCombineFinish>, "out") >= 0 &&
+              ResultIndex(kTarget<JaxEpCombineFinish>, "slot_values") >= 0);
 
 // A split combine's finish. Without stage_own it takes the start's inputs; with it, it reads only the staged
 // partial sums and token_dest_pos and slot_dest (y may have no rows then): its shapes come from its outputs (out
@@ -428,31 +533,34 @@ ffi::Error CombineStart(cudaStream_t stream, int32_t ordinal, GroupState* state,
 ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32,
                          bool stage_own, ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                          I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, F32Vector,
-                         I32Scalar axis_index, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::AnyBuffer> slot_values) {
-  constexpr const char* kOp = "jax_ep_combine_finish";
+                         I32Scalar axis_index, ffi::RemainingRets rets) {
+  const Target& target = kTarget<JaxEpCombineFinish>;
   if (!stage_own) {
-    return RunCombine(kOp, stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows, recv_counts,
-                      token_dest_pos, slot_dest, axis_index, &out, &slot_values, nullptr, Phase::kFinish, false);
+    return RunCombine(target, stream, ordinal, state, partial_f32, y, weights, row_values, recv_rows, recv_counts,
+                      token_dest_pos, slot_dest, axis_index, rets, Phase::kFinish, false);
   }
+  const char* kOp = target.name;
+  const auto outputs = OutputsOf<CombineOutputs>(target, rets);
+  if (outputs.has_error()) return outputs.error();
+  const ffi::AnyBuffer &out = *outputs->out, &slot_values = *outputs->slot_values;
   auto device = FindDevice(kOp, ordinal, state);
   if (device.has_error()) return device.error();
-  auto type = TypeOf(kOp, out->element_type());
+  auto type = TypeOf(kOp, out.element_type());
   if (type.has_error()) return type.error();
   const int64_t R = (*device)->num_ranks;
-  const auto out_dims = out->dimensions(), pos_dims = token_dest_pos.dimensions();
+  const auto out_dims = out.dimensions(), pos_dims = token_dest_pos.dimensions();
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out_dims.size() == 2, "[T, H]", Dims(out_dims)));
   const int64_t T = out_dims[0], H = out_dims[1], K = slot_dest.dimensions()[1];
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "token_dest_pos", pos_dims[0] == T && pos_dims[1] == R,
                                 "[T=" + Str(T) + ", R=" + Str(R) + "]", Dims(pos_dims)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_dest", slot_dest.dimensions()[0] == T, "[T, K]",
                                 Dims(slot_dest.dimensions())));
-  const bool has_values = slot_values->element_count() != 0;
-  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(&slot_values, T * K), "[T, K] or [0]",
-                                DimsOf(&slot_values)));
+  const bool has_values = slot_values.element_count() != 0;
+  JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(outputs->slot_values, T * K), "[T, K] or [0]",
+                                DimsOf(outputs->slot_values)));
   const CombineCall call =
-      CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, true, out->untyped_data(),
-                    has_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr);
+      CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, true, out.untyped_data(),
+                    has_values ? static_cast<float*>(slot_values.untyped_data()) : nullptr);
   return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, Phase::kFinish));
 }
 
@@ -485,44 +593,25 @@ auto BindDispatch() {
       .Arg<F32Matrix>();             // topk_weights [T, K]
 }
 
+// Every execute handler takes its results as they come (.RemainingRets()) and finds each by its name in kTargets.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
                               BindDispatch()
-                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()  // x rows [N, H]
-                                  .Ret<F32Vector>()       // weights [N]
-                                  .Ret<I32Vector>()       // group_sizes [L]
-                                  .Ret<I32Scalar>()       // num_dropped
-                                  .Ret<I32Scalar>()       // num_invalid
-                                  .Ret<I32Matrix>()       // token_dest_pos [T, R]
-                                  .Ret<I32Vector>()       // send_counts [R]
-                                  .Ret<I32Matrix>()       // slot_dest [T, K]
-                                  .Ret<I32Cube>()         // recv_rows [R, T, K]
-                                  .Ret<I32Vector>()       // recv_counts [R]
-                                  .Ret<I32Vector>(),      // row_slot [N]
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchStart, jax_ep::DispatchStart,
                               BindDispatch()
                                   .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .Ret<I32Matrix>()   // token_dest_pos [T, R]
-                                  .Ret<I32Matrix>()   // slot_dest [T, K]
-                                  .Ret<F32Vector>(),  // sent [1], written 0
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchFinish, jax_ep::DispatchFinish,
                               BindDispatch()
-                                  .Arg<I32Matrix>()       // the start's token_dest_pos
-                                  .Arg<I32Matrix>()       // the start's slot_dest
-                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()  // x rows [N, H]
-                                  .Ret<F32Vector>()       // weights [N]
-                                  .Ret<I32Vector>()       // group_sizes [L]
-                                  .Ret<I32Scalar>()       // num_dropped
-                                  .Ret<I32Scalar>()       // num_invalid
-                                  .Ret<I32Vector>()       // send_counts [R]
-                                  .Ret<I32Cube>()         // recv_rows [R, T, K]
-                                  .Ret<I32Vector>()       // recv_counts [R]
-                                  .Ret<I32Vector>(),      // row_slot [N]
+                                  .Arg<I32Matrix>()  // the start's token_dest_pos
+                                  .Arg<I32Matrix>()  // the start's slot_dest
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 // The backward pass of combine's inputs, shared by the whole op and its two halves.
@@ -539,23 +628,21 @@ auto BindCombineBackward() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackward, jax_ep::CombineBackward,
                               BindCombineBackward()
-                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()  // dy [N, H]
-                                  .Ret<F32Vector>(),      // dweights [N], or [0] without weights
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardStart, jax_ep::CombineBackwardStart,
                               BindCombineBackward()
-                                  .Arg<I32Scalar>()   // lax.axis_index of the EP axis
-                                  .Ret<F32Vector>(),  // sent [1]
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardFinish, jax_ep::CombineBackwardFinish,
                               BindCombineBackward()
-                                  .Arg<F32Vector>()       // the start's sent
-                                  .Arg<I32Scalar>()       // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()  // dy [N, H]
-                                  .Ret<F32Vector>(),      // dweights [N], or [0] without weights
+                                  .Arg<F32Vector>()  // the start's sent
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 // Combine's inputs after its attributes, shared by the whole op and its two halves.
@@ -576,23 +663,21 @@ auto BindSplitCombine() { return BindGroupCall().Attr<bool>("partial_f32").Attr<
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
                               WithCombineArgs(BindGroupCall().Attr<bool>("partial_f32"))
-                                  .Arg<I32Scalar>()        // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()   // out [T, H]
-                                  .Ret<ffi::AnyBuffer>(),  // slot values [T, K] with row_values, else [0]
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineStart, jax_ep::CombineStart,
                               WithCombineArgs(BindSplitCombine())
-                                  .Arg<I32Scalar>()   // lax.axis_index of the EP axis
-                                  .Ret<F32Vector>(),  // sent [1]
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineFinish, jax_ep::CombineFinish,
                               WithCombineArgs(BindSplitCombine())
-                                  .Arg<F32Vector>()        // the start's sent
-                                  .Arg<I32Scalar>()        // lax.axis_index of the EP axis
-                                  .Ret<ffi::AnyBuffer>()   // out [T, H]
-                                  .Ret<ffi::AnyBuffer>(),  // slot values [T, K] when the start had row_values
+                                  .Arg<F32Vector>()  // the start's sent
+                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
+                                  .RemainingRets(),
                               {kCommandBuffers});
 
 extern "C" XLA_FFI_TypeId* JaxEpGroupStateTypeId() { return &jax_ep::GroupState::id; }

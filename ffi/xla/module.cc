@@ -1,18 +1,16 @@
-// The Python extension jax_ep._jax_ep_cuda: FFI handler capsules, the state type, the groups' set-up steps, and
-// facts about CUDA and NCCL. Library errors (Status) become Python exceptions here.
+// The Python extension jax_ep._jax_ep_cuda: the FFI targets (handler capsules and result names, from kTargets), the
+// state type, the kernels' limits and staging size, the groups' set-up steps, and facts about CUDA and NCCL. Library
+// errors (Status) become Python exceptions here.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 #include <nccl.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "../runtime/group.h"
@@ -36,116 +34,30 @@ std::shared_ptr<jax_ep::Group> Group(int64_t id) {
   return group;
 }
 
-void Check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep timing: ") + what + ": " +
-                                                      cudaGetErrorString(status));
-}
-
-// What a timing helper made (device memory, a stream, events) and the device it found current: released and
-// restored on every path out, a thrown error included.
-struct TimingScratch {
-  int saved_device = 0;
-  std::vector<std::pair<int, void*>> buffers;  // (device, pointer)
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  TimingScratch() { cudaGetDevice(&saved_device); }
-  ~TimingScratch() {
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    if (stream) cudaStreamDestroy(stream);
-    for (const auto& [device, pointer] : buffers) {
-      cudaSetDevice(device);
-      cudaFree(pointer);
-    }
-    cudaSetDevice(saved_device);
-  }
-  void* Allocate(int device, size_t bytes) {
-    void* pointer = nullptr;
-    Check(cudaSetDevice(device), "cudaSetDevice");
-    Check(cudaMalloc(&pointer, bytes), "cudaMalloc");
-    buffers.emplace_back(device, pointer);
-    return pointer;
-  }
-};
-
-// Seconds per call of enqueue(stream) on the current device: 3 warm-up calls, then the mean of `iters` between
-// two CUDA events.
-template <typename Enqueue>
-double SecondsPer(TimingScratch& scratch, int iters, Enqueue enqueue) {
-  if (iters < 1) throw nb::value_error("jax_ep timing: iters must be at least 1");
-  Check(cudaStreamCreate(&scratch.stream), "cudaStreamCreate");
-  Check(cudaEventCreate(&scratch.start), "cudaEventCreate");
-  Check(cudaEventCreate(&scratch.stop), "cudaEventCreate");
-  for (int i = 0; i < 3; ++i) enqueue(scratch.stream);
-  Check(cudaEventRecord(scratch.start, scratch.stream), "cudaEventRecord");
-  for (int i = 0; i < iters; ++i) enqueue(scratch.stream);
-  Check(cudaEventRecord(scratch.stop, scratch.stream), "cudaEventRecord");
-  Check(cudaEventSynchronize(scratch.stop), "cudaEventSynchronize");
-  float ms = 0;
-  Check(cudaEventElapsedTime(&ms, scratch.start, scratch.stop), "cudaEventElapsedTime");
-  return ms / 1e3 / iters;
-}
-
-// Fills device memory with pseudo-random bytes (a 64 MiB block, repeated), so that nothing in the memory system
-// could make a copy of it cheaper than a copy of real data.
-void FillRandom(void* device_pointer, size_t bytes) {
-  std::vector<uint64_t> block(std::min<size_t>(bytes, size_t{64} << 20) / 8 + 1);
-  std::mt19937_64 random(12345);
-  for (uint64_t& word : block) word = random();
-  char* to = static_cast<char*>(device_pointer);
-  for (size_t at = 0; at < bytes; at += block.size() * 8) {
-    Check(cudaMemcpy(to + at, block.data(), std::min(block.size() * 8, bytes - at), cudaMemcpyHostToDevice),
-          "cudaMemcpy");
-  }
-}
-
-// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
-// exchange with.
-double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
-  TimingScratch scratch;
-  void* to = scratch.Allocate(dst, bytes);
-  void* from = scratch.Allocate(src, bytes);
-  FillRandom(from, bytes);
-  cudaDeviceEnablePeerAccess(dst, 0);
-  cudaGetLastError();  // already enabled, or the same GPU: not an error here
-  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
-    Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
-  });
-}
-
-// Seconds per cudaMemsetAsync of `bytes` on GPU `device`: writes only, the ceiling of an op that mostly writes.
-double FillSeconds(int device, size_t bytes, int iters) {
-  TimingScratch scratch;
-  void* to = scratch.Allocate(device, bytes);
-  int value = 0;
-  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
-    Check(cudaMemsetAsync(to, 0x40 + (value++ & 0x1f), bytes, stream), "cudaMemsetAsync");
-  });
-}
-
 }  // namespace
 
 NB_MODULE(_jax_ep_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-    const std::pair<const char*, void*> calls[] = {
-        {"jax_ep_dispatch", reinterpret_cast<void*>(JaxEpDispatch)},
-        {"jax_ep_dispatch_start", reinterpret_cast<void*>(JaxEpDispatchStart)},
-        {"jax_ep_dispatch_finish", reinterpret_cast<void*>(JaxEpDispatchFinish)},
-        {"jax_ep_combine_backward", reinterpret_cast<void*>(JaxEpCombineBackward)},
-        {"jax_ep_combine_backward_start", reinterpret_cast<void*>(JaxEpCombineBackwardStart)},
-        {"jax_ep_combine_backward_finish", reinterpret_cast<void*>(JaxEpCombineBackwardFinish)},
-        {"jax_ep_combine", reinterpret_cast<void*>(JaxEpCombine)},
-        {"jax_ep_combine_start", reinterpret_cast<void*>(JaxEpCombineStart)},
-        {"jax_ep_combine_finish", reinterpret_cast<void*>(JaxEpCombineFinish)},
-    };
-    for (const auto& [name, execute] : calls) {
+    for (const jax_ep::Target& target : jax_ep::kTargets) {
       nb::dict stages;
       stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpInstantiate));
-      stages["execute"] = Capsule(execute);
-      targets[name] = stages;
+      stages["execute"] = Capsule(reinterpret_cast<void*>(target.execute));
+      targets[target.name] = stages;
     }
     return targets;
+  });
+  // Each target's results by name, in XLA's order: jax_ep/ep/backends/cuda.py builds them in this order.
+  m.def("results", []() {
+    nb::dict results;
+    for (const jax_ep::Target& target : jax_ep::kTargets) {
+      nb::list names;
+      for (const char* name : target.results) {
+        if (name != nullptr) names.append(name);
+      }
+      results[target.name] = names;
+    }
+    return results;
   });
   m.def("type_registrations", []() {
     nb::dict types;
@@ -155,13 +67,21 @@ NB_MODULE(_jax_ep_cuda, m) {
     types["jax_ep_group_state"] = state;
     return types;
   });
+  m.def("limits", []() {
+    nb::dict limits;
+    limits["max_topk"] = jax_ep::kMaxTopk;
+    limits["max_experts"] = jax_ep::kMaxExperts;
+    return limits;
+  });
+  m.def("staging_bytes", &jax_ep::StagingBytes, nb::arg("num_ranks"), nb::arg("num_tokens"), nb::arg("row_bytes"),
+        nb::arg("topk"), nb::arg("local_experts"));
   m.def(
       "routing_scratch_ints",
       [](int64_t num_ranks, int64_t num_tokens, int64_t topk, int64_t num_experts) {
         return jax_ep::RoutingScratch(num_tokens, topk, num_experts, num_ranks).ints;
       },
       nb::arg("num_ranks"), nb::arg("num_tokens"), nb::arg("topk"), nb::arg("num_experts"));
-  // jax_ep.initialize, step by step (jax_ep/_group.py swaps IPC handles between processes in between).
+  // jax_ep.initialize, step by step (jax_ep/ep/group.py swaps IPC handles between processes in between).
   m.def("begin", [](int64_t id) { jax_ep::AddGroup(id); }, nb::arg("group"));
   m.def(
       "allocate",
@@ -261,8 +181,6 @@ NB_MODULE(_jax_ep_cuda, m) {
         return group ? group->launches() : int64_t{0};
       },
       nb::arg("group"));
-  m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
-  m.def("fill_seconds", &FillSeconds, nb::arg("device"), nb::arg("bytes"), nb::arg("iters"));
   m.def("cuda_versions", []() {
     int runtime = 0, driver = 0;
     if (cudaRuntimeGetVersion(&runtime) != cudaSuccess || cudaDriverGetVersion(&driver) != cudaSuccess) {

@@ -149,8 +149,8 @@ def parse_args() -> argparse.Namespace:
 
 def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
     """Bytes on the wire of dispatch's rows in bfloat16 and as FP8 (e4m3 values and one float32 scale per 128,
-    padded to 16 bytes: jax_ep._fp8), per row and for this rank's remote rows."""
-    from jax_ep import _fp8
+    padded to 16 bytes: jax_ep.ep.fp8), per row and for this rank's remote rows."""
+    from jax_ep.ep import fp8 as _fp8
 
     rows = remote_bf16 // (hidden * 2)
     packed = _fp8.packed_width(hidden)

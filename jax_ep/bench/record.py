@@ -74,7 +74,7 @@ def provenance(command: str) -> dict:
     (`sources`), devices and library versions."""
     import jax
 
-    from jax_ep import _group
+    from jax_ep.ep import group as _group
 
     info = {
         "command": os.environ.get("JAX_EP_COMMAND") or command,

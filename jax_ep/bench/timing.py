@@ -170,22 +170,30 @@ def transport_facts(transport: str) -> dict:
     }
 
 
+def _copy_timing():
+    """The benchmarks' timing module, ``jax_ep.bench._copy_timing`` (ffi/bench/copy_timing.cc)."""
+    try:
+        from jax_ep.bench import _copy_timing
+    except ImportError as error:
+        raise RuntimeError(
+            "jax_ep.bench: copy_seconds and fill_seconds need jax_ep.bench._copy_timing, which is built with the CUDA "
+            f"extension (JAX_EP_CUDA=ON; BUILD.md) and needs the CUDA runtime: {error}"
+        ) from error
+    return _copy_timing
+
+
 def copy_seconds(src_ordinal: int, dst_ordinal: int, nbytes: int, iters: int) -> float:
     """Seconds per ``cudaMemcpyPeerAsync`` of ``nbytes`` between two local GPUs (CUDA events, mean of ``iters``).
 
     With ``src_ordinal == dst_ordinal`` it is a device-to-device copy on one GPU: ``nbytes`` read and written.
-    Needs the CUDA extension (``jax_ep.cuda_available()``).
+    Needs ``jax_ep.bench._copy_timing``, built with the CUDA extension.
     """
-    from jax_ep import _group
-
-    return _group.extension().peer_copy_seconds(src_ordinal, dst_ordinal, nbytes, iters)
+    return _copy_timing().peer_copy_seconds(src_ordinal, dst_ordinal, nbytes, iters)
 
 
 def fill_seconds(ordinal: int, nbytes: int, iters: int) -> float:
     """Seconds per ``cudaMemsetAsync`` of ``nbytes`` on one GPU (CUDA events, mean of ``iters``): writes only.
 
-    Needs the CUDA extension (``jax_ep.cuda_available()``).
+    Needs ``jax_ep.bench._copy_timing``, built with the CUDA extension.
     """
-    from jax_ep import _group
-
-    return _group.extension().fill_seconds(ordinal, nbytes, iters)
+    return _copy_timing().fill_seconds(ordinal, nbytes, iters)

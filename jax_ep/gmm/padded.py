@@ -3,7 +3,7 @@
 Each group's rows are gathered into ``[G, C, ...]`` (zeros past the group's size), multiplied by a batched
 ``einsum`` (XLA's dense GEMM, float32 accumulation, one rounding), and (forward, ``dx``) gathered back into the
 ragged rows.
-It holds only while every group has at most ``C`` rows, so :mod:`jax_ep._grouped_matmul` runs it under a
+It holds only while every group has at most ``C`` rows, so :mod:`jax_ep.gmm.grouped_matmul` runs it under a
 ``lax.cond`` on ``max(group_sizes) <= C``, with the Mosaic kernels as the other branch. With groups of about
 ``M / G`` rows each it does ``C / (M / G)`` times the useful flops, which :func:`padded_rows` keeps at most
 1.5, and the dense GEMM runs much nearer the GPU's peak than a grouped kernel on groups of a hundred rows.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 try:
-    from . import _row_copies
+    from . import row_copies as _row_copies
 except ImportError:  # a jax without Pallas Triton (deprecated in jax 0.11): XLA's row copies everywhere
     _row_copies = None
 
@@ -44,7 +44,7 @@ def fits(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def _row_copy(kernel, xla, *args, shapes: tuple[tuple[int, ...], ...]):
-    """``kernel(*args)`` (from :mod:`jax_ep._row_copies`) on CUDA, ``xla(*args)`` elsewhere; ``xla`` everywhere when
+    """``kernel(*args)`` (from :mod:`jax_ep.gmm.row_copies`) on CUDA, ``xla(*args)`` elsewhere; ``xla`` everywhere when
     jax has no Pallas Triton or the arrays (of ``shapes``) are larger than the kernels take."""
     if _row_copies is None or not _row_copies.fits_int32(*shapes):
         return xla(*args)
@@ -59,7 +59,7 @@ def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group.
 
     No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
-    does. On CUDA a Pallas Triton kernel (:mod:`jax_ep._row_copies`), elsewhere XLA's gather and a select.
+    does. On CUDA a Pallas Triton kernel (:mod:`jax_ep.gmm.row_copies`), elsewhere XLA's gather and a select.
     """
     return _row_copy(
         lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
@@ -108,7 +108,7 @@ def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
     """``a`` with rows ``first`` and after set to 0: on CUDA in place, touching no other row
-    (:mod:`jax_ep._row_copies`), elsewhere by a select."""
+    (:mod:`jax_ep.gmm.row_copies`), elsewhere by a select."""
 
     def select(a, first):
         return jnp.where((jnp.arange(a.shape[0], dtype=jnp.int32) < first)[:, None], a, 0)

@@ -1,7 +1,7 @@
 """One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
 
-    python tests/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
-                                                         wrong_rank_shared,scan_shared}
+    python tools/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
+                                                         skew_shared,wrong_rank_shared,scan_shared,dies_shared}
 
 compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
            within float32 rounding, gradients; random routings. Prints the ranks it reaches through NCCL
@@ -18,7 +18,7 @@ late_shared: both on GPU 0; process 1 stalls on the host past timeout_s before i
            reading stale data; after jax_ep.initialize again both match the reference.
 wrong_rank_shared: both on GPU 0; the group is made for a mesh in process order, the call runs over the
            reversed mesh, so lax.axis_index differs from the kernels' rank: both fail with that error.
-scan_shared: both on GPU 0, XLA command buffers on (the test sets XLA_FLAGS): tests/command_buffer_scan.py's
+scan_shared: both on GPU 0, XLA command buffers on (the test sets XLA_FLAGS): tools/command_buffer_scan.py's
            200-step training scan, each rank against the NumPy reference.
 """
 
@@ -27,6 +27,7 @@ import sys
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # reference
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -258,7 +259,7 @@ def wrong_rank_shared(mesh, process_id):
 
 
 def scan_shared(mesh, process_id):
-    """tests/command_buffer_scan.py's scan with two processes on one GPU, each rank against the reference."""
+    """tools/command_buffer_scan.py's scan with two processes on one GPU, each rank against the reference."""
     import command_buffer_scan as scan
 
     data = scan.inputs(R)

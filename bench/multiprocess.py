@@ -1,6 +1,6 @@
 """The training shape with one process per GPU (jax.distributed on localhost), next to one process for all GPUs.
 
-    python -m jax_ep.bench.multiprocess OUT.json [--tokens 4096 --hidden 7168] [--transport nccl] [--p2p-off]
+    python bench/multiprocess.py OUT.json [--tokens 4096 --hidden 7168] [--transport nccl] [--p2p-off]
 
 Starts one worker per GPU; each calls ``jax.distributed.initialize`` and ``jax_ep.initialize`` over the mesh
 of all processes' GPUs (buffers mapped by CUDA IPC), then times dispatch and combine of both backends as
@@ -55,17 +55,16 @@ def run_workers(
 def launch(args: argparse.Namespace) -> int:
     """Runs the workers and waits for them; returns the first nonzero exit code, or 0."""
     env = {
-        "JAX_EP_COMMAND": os.environ.get("JAX_EP_COMMAND")
-        or "python -m jax_ep.bench.multiprocess " + " ".join(sys.argv[1:])
+        "JAX_EP_COMMAND": os.environ.get("JAX_EP_COMMAND") or "python bench/multiprocess.py " + " ".join(sys.argv[1:])
     }
-    command = [sys.executable, "-m", "jax_ep.bench.multiprocess", str(args.out), "--tokens", str(args.tokens)]
+    command = [sys.executable, __file__, str(args.out), "--tokens", str(args.tokens)]
     command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--processes", str(args.processes)]
     command += ["--backends", args.backends, "--platform", args.platform, "--transport", args.transport]
     if args.p2p_off:
         env["NCCL_P2P_DISABLE"] = "1"
     codes = run_workers(lambda port, i: [*command, "--worker", f"{port},{i}"], args.processes, args.timeout, env)
     if codes is None:
-        print(f"jax_ep.bench.multiprocess: no result within {args.timeout} s", flush=True)
+        print(f"bench/multiprocess.py: no result within {args.timeout} s", flush=True)
         return 1
     return next((code for code in codes if code), 0)
 
@@ -117,7 +116,7 @@ def work(args: argparse.Namespace) -> None:
     if on_gpu and process_id == 0:
         copy_us = copy_seconds(0, 1, remote, 20) * 1e6
     result = {
-        **provenance("python -m jax_ep.bench.multiprocess"),
+        **provenance("python bench/multiprocess.py"),
         "processes": ranks,
         "ranks": ranks,
         "cuda_kernel_sms": None if group is None else group.num_sms,
@@ -144,7 +143,7 @@ def work(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench.multiprocess", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/multiprocess.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)

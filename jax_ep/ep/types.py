@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -29,7 +29,7 @@ class Config:
     expert_alignment: int
     backend: str  # resolved: "xla" or "cuda"
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
-    wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep._fp8); None: in x's dtype
+    wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
 
     @property
     def local_experts(self) -> int:
@@ -117,18 +117,52 @@ class Dispatched:
     handle: Handle
 
 
+class RowType(NamedTuple):
+    """The hidden size and dtype of a dispatch's ``x`` (its rows may travel as packed FP8 bytes)."""
+
+    hidden: int
+    dtype: Any
+
+
+class DispatchStarted(NamedTuple):
+    """What a backend's ``dispatch_start`` hands to its ``dispatch_finish``.
+
+    ``rows`` are the rows as they travel (``x``, or its packed FP8 rows). ``link`` carries nothing forward; in
+    the backward pass its cotangent carries what the backward pass of the finish made to that of the start
+    (cuda: the started combine's output; xla: ``x``'s cotangent). A backend leaves the fields it does not use None.
+    """
+
+    rows: jax.Array
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    link: jax.Array
+    token_dest_pos: jax.Array | None = None  # cuda: written by the start's routing
+    slot_dest: jax.Array | None = None
+
+
+class CombineStarted(NamedTuple):
+    """What a backend's ``combine_start`` hands to its ``combine_finish`` (xla: nothing).
+
+    ``sent`` is the start's output, which orders the finish after it; ``g_link`` is a ``[T, H]`` placeholder
+    whose cotangent carries combine's output cotangent to the backward pass of the start.
+    """
+
+    sent: jax.Array | None = None
+    g_link: jax.Array | None = None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingDispatch:
     """What :func:`jax_ep.dispatch_start` returns: pass it to :func:`jax_ep.dispatch_finish`.
 
-    It holds what the start produced (``started``, backend-specific arrays); on the cuda backend the start's
-    call stays open on the GPU until its finish runs.
+    It holds what the start produced (``started``); on the cuda backend the start's call stays open on the GPU
+    until its finish runs.
     """
 
-    started: tuple
+    started: DispatchStarted
     config: Config = dataclasses.field(metadata=dict(static=True))
-    x_type: tuple = dataclasses.field(metadata=dict(static=True))  # (H, dtype) of x
+    x_type: RowType = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -139,5 +173,5 @@ class PendingCombine:
     y: jax.Array
     handle: Handle
     weights: jax.Array | None
-    started: tuple
+    started: CombineStarted
     partial_dtype: Any = dataclasses.field(metadata=dict(static=True))

@@ -1,8 +1,8 @@
 """``jax_ep.grouped_matmul``: ``jax.lax.ragged_dot`` with Pallas Mosaic GPU kernels on Hopper GPUs.
 
 On a Hopper GPU (compute capability 9.x) the forward pass and both gradients run Pallas Mosaic GPU
-(wgmma) kernels from :mod:`jax_ep._mosaic_gmm`, or a dense batched matmul over padded groups
-(:mod:`jax_ep._padded_gmm`) when every group fits, joined by a ``jax.custom_vjp``; elsewhere, and for shapes or
+(wgmma) kernels from :mod:`jax_ep.gmm.mosaic`, or a dense batched matmul over padded groups
+(:mod:`jax_ep.gmm.padded`) when every group fits, joined by a ``jax.custom_vjp``; elsewhere, and for shapes or
 dtypes the kernels do not take, :func:`grouped_matmul` is ``jax.lax.ragged_dot`` with its own autodiff.
 """
 
@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _padded_gmm as _padded
-from ._validate import check_array, check_choice
-from ._vma import vary_like, varying_axes
+from .._validate import check_array, check_choice
+from . import padded as _padded
+from .vma import vary_like, varying_axes
 
 try:
-    from . import _mosaic_gmm as _mosaic
-    from ._mosaic_gmm import Blocks
+    from . import mosaic as _mosaic
+    from .mosaic import Blocks
 except ImportError as _error:  # a jax without Pallas Mosaic GPU
     _mosaic = None
     _MOSAIC_IMPORT_ERROR: str | None = str(_error)
@@ -48,8 +48,8 @@ class Plan(NamedTuple):
     """The tiles of each of the three kernels (None runs that op with XLA) and the forward/dx kernel.
 
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``), or
-    ``"tiles"``, :func:`jax_ep._mosaic_gmm.ragged_dot` (tiles from each group's first row, rounded down to a
-    multiple of 8). ``padded``: rows per group of the padded dense path (:mod:`jax_ep._padded_gmm`), which
+    ``"tiles"``, :func:`jax_ep.gmm.mosaic.ragged_dot` (tiles from each group's first row, rounded down to a
+    multiple of 8). ``padded``: rows per group of the padded dense path (:mod:`jax_ep.gmm.padded`), which
     the ops named in ``padded_ops`` take instead of their kernel when no group is larger, or None for the
     kernels alone.
     """
@@ -88,7 +88,7 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 # (forward 180 against 228). No group count between 64 and 256 was measured.
 MANY_GROUPS = 256
 
-# Where every group fits (jax_ep._padded_gmm.padded_rows) the padded dense path replaces dx's and dw's kernels, and
+# Where every group fits (jax_ep.gmm.padded.padded_rows) the padded dense path replaces dx's and dw's kernels, and
 # from MANY_GROUPS up the forward's too. On one H200 at aa40d64, whose padded path copies rows with Pallas Triton
 # kernels (bench/results/grouped_matmul_aa40d64_h200x1.json), TFLOP/s with random sizes, padded against the kernel in
 # the same run: 32 groups of 7168x2048 weights, forward 535 against 575, dx 510 against 497, dw 540 against 522; 64
@@ -166,7 +166,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
     ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
     or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
-    times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep._padded_gmm`), checked on the device,
+    times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep.gmm.padded`), checked on the device,
     ``dw`` runs instead as one dense batched matmul over the groups padded to ``C`` rows, and so do the forward
     pass and ``dx`` when there are at least 256 groups. All accumulate in float32 and round once to the output
     dtype. Inside the computation the choice between kernel and XLA is made per platform

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ._vma import vary_like
+from .vma import vary_like
 
 BLOCK_ROWS = 16
 BLOCK_COLS = 512  # 1 KiB of bfloat16 a row: 16-byte loads and stores for every thread of 4 warps

@@ -10,14 +10,14 @@ flattened to ``[N, ...]``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .. import _fp8
-from .._layout import assign_rows, local_layout
-from .._types import Config, Dispatched, Handle
+from ..routing import assign_rows, local_layout
+from ..types import CombineStarted, Config, Dispatched, DispatchStarted, Handle, RowType
 
 
 def _exchange(buffer: jax.Array, config: Config) -> jax.Array:
@@ -41,6 +41,12 @@ def _send_tokens(token_dest_pos: jax.Array, config: Config) -> jax.Array:
 
 def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
     """Forward dispatch on one rank; see :func:`jax_ep.dispatch`."""
+    d = route(config, topk_idx, topk_weights)
+    return dataclasses.replace(d, x=transfer(d.handle, x).reshape(config.layout_shape(x.shape[-1])))
+
+
+def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    """A dispatch that moves no rows: its ``x`` has no columns."""
     num_ranks, num_tokens, topk = config.num_ranks, config.num_tokens, config.topk
     local = local_layout(topk_idx, config.num_experts, num_ranks)
     all_counts = _exchange(jnp.broadcast_to(local.expert_count, (num_ranks, config.num_experts)), config)
@@ -72,10 +78,9 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     if config.layout == "ragged":
         empty = jnp.where(jnp.arange(config.num_rows, dtype=jnp.int32) < jnp.sum(rows.group_sizes), empty, -2)
     row_slot = empty.at[jnp.where(flat_rows < 0, config.num_rows, flat_rows)].set(slots, mode="drop")
-    hidden = x.shape[-1]
     handle = Handle(local.token_dest_pos, send_counts, rows.slot_dest, recv_rows, recv_counts, row_slot, config)
     return Dispatched(
-        x=redispatch(handle, x).reshape(config.layout_shape(hidden)),
+        x=jnp.zeros(config.layout_shape(0), topk_weights.dtype),
         weights=_take(recv_weights, row_slot).reshape(config.weights_shape),
         group_sizes=rows.group_sizes,
         num_dropped=rows.num_dropped,
@@ -84,7 +89,7 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
     )
 
 
-def redispatch(handle: Handle, x: jax.Array) -> jax.Array:
+def transfer(handle: Handle, x: jax.Array) -> jax.Array:
     """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]``, zero where no slot is held.
 
     Each token goes once to every rank it is routed to; there it fills the rows of its slots.
@@ -157,7 +162,7 @@ def combine_backward(
     Each held row gets ``dy = w * g`` and ``dweights = <g, y[row]>`` in float32, ``g`` its token's cotangent;
     rows that hold no slot get exactly 0, even where ``y``, ``weights`` or the ragged tail hold NaN or inf.
     """
-    rows_ct = redispatch(handle, cotangent).astype(jnp.float32).reshape(y.shape)
+    rows_ct = transfer(handle, cotangent).astype(jnp.float32).reshape(y.shape)
     held = (handle.row_slot >= 0).reshape(y.shape[:-1])[..., None]
     if weights is None:
         return jnp.where(held, rows_ct, 0.0).astype(y.dtype), None
@@ -168,44 +173,47 @@ def combine_backward(
 
 # The split ops. XLA schedules this backend's all-to-alls itself, so a dispatch's start only gathers the finish's
 # inputs, the finish runs the whole op, and the backward pass of the finish runs the whole backward pass, whose
-# cotangents the start's passes on. Combine's start does nothing; its finish and that one's backward pass run
-# the whole ops.
+# cotangents reach the start's through `link` (x's) and `topk_weights`. Combine's start does nothing; its finish
+# and that one's backward pass run the whole ops.
 
 
-def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> tuple:
-    del config
-    return x, topk_idx, topk_weights
+def dispatch_start(
+    config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
+) -> DispatchStarted:
+    link = jax.lax.full_like(rows, 0, x_type.dtype, (config.num_tokens, x_type.hidden))  # only its cotangent: dx
+    return DispatchStarted(rows, topk_idx, topk_weights, link)
 
 
-def dispatch_finish(config: Config, started: tuple) -> Dispatched:
-    x, topk_idx, topk_weights = started
-    return dispatch(config, _fp8.wire_rows(x, config.wire_dtype), topk_idx, topk_weights)
+def dispatch_finish(config: Config, started: DispatchStarted) -> Dispatched:
+    return dispatch(config, started.rows, started.topk_idx, started.topk_weights)
 
 
-def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> tuple:
+def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
     dx, dweights = combine(handle, rows_ct, None, rows_ct.dtype, weights_ct)
-    return dx, None, dweights
+    return DispatchStarted(None, None, dweights, dx)
 
 
-def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hidden: int, dtype: Any):
-    del config, started, hidden, dtype
-    return dstarted[0], dstarted[2]
+def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType):
+    del config, started, x_type
+    return dstarted.link, dstarted.topk_weights
 
 
-def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> tuple:
+def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> CombineStarted:
     del handle, rows, weights, partial_dtype
-    return ()
+    return CombineStarted()
 
 
-def combine_finish(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: tuple):
+def combine_finish(
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted
+) -> jax.Array:
     del started
     return combine(handle, rows, weights, partial_dtype)[0]
 
 
 def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
-    return (*combine_backward(handle, cotangent, y, weights), None)
+    return (*combine_backward(handle, cotangent, y, weights), CombineStarted())
 
 
-def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: tuple):
+def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted):
     del handle, y, weights, dstarted
     return None, None

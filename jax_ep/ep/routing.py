@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._types import Config
+from .types import Config
 
 
 class LocalLayout(NamedTuple):

@@ -1,14 +1,14 @@
 """A jitted training step in ``lax.scan`` under XLA command buffers: backend "cuda" against a NumPy reference.
 
-    python tests/command_buffer_scan.py        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
-    JAX_EP_SCAN_SPLIT=1 python tests/command_buffer_scan.py   # with the split ops, a matmul between the halves
+    python tools/command_buffer_scan.py        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
+    JAX_EP_SCAN_SPLIT=1 python tools/command_buffer_scan.py   # with the split ops, a matmul between the halves
 
 Each step dispatches this rank's tokens with a routing that changes every step, applies an elementwise expert (a
 learned per-rank scale, on the rows of the data), combines, and updates the scale with the gradient of ``sum(c *
 out)``. The script sets XLA_FLAGS so that XLA captures custom calls in command buffers (CUDA graphs) and checks
 that it did: the FFI handlers run only when XLA records a graph, so they launch the calls fewer times than the
 calls run ("captured: ..."). It compares every step's loss and the final scales with ``reference_scan`` (float64
-NumPy over tests/reference.py) and, in one process, with backend "xla". tests/multiprocess_worker.py runs the
+NumPy over tests/reference.py) and, in one process, with backend "xla". tools/multiprocess_worker.py runs the
 same scan with two processes sharing one GPU. With JAX_EP_SCAN_SPLIT=1 each step uses the split ops, with a
 matmul ``x @ m`` (added to the output) pinned between dispatch_start and dispatch_finish by optimization
 barriers.
@@ -153,5 +153,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # reference
     main()

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _division
+from . import division
 
 BLOCK = 128  # values per scale
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -53,8 +53,8 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     zero = amax == 0
     # Both divisions correctly rounded, as the contract (and the NumPy oracle) computes them: XLA's own are not
     # on GPUs, and XLA turns divisions by constants and broadcasts into multiplications by reciprocals.
-    scale = jnp.where(zero, jnp.float32(1), _division.divide(amax, jnp.float32(E4M3_MAX)))
-    q = to_e4m3_bits(_division.divide(blocks, scale[..., None]))
+    scale = jnp.where(zero, jnp.float32(1), division.divide(amax, jnp.float32(E4M3_MAX)))
+    q = to_e4m3_bits(division.divide(blocks, scale[..., None]))
     return q.reshape(x.shape), scale
 
 

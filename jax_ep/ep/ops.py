@@ -10,10 +10,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from . import _fp8, backends
-from ._types import LAYOUTS, Config, Dispatched, Handle, PendingCombine, PendingDispatch
-from ._validate import check_array, check_choice, check_float_dtype, check_positive_int
+from .._validate import check_array, check_choice, check_float_dtype, check_positive_int
+from . import backends, fp8
+from .types import (
+    LAYOUTS,
+    CombineStarted,
+    Config,
+    Dispatched,
+    DispatchStarted,
+    Handle,
+    PendingCombine,
+    PendingDispatch,
+    RowType,
+)
+
+TRANSFERS = ("fused", "separate")
+HANDLE = "jax_ep_handle"  # jax.checkpoint names: everything a dispatch returns but its rows
+ROWS = "jax_ep_rows"  # the dispatched rows (Dispatched.x)
 
 
 def default_capacity(
@@ -29,10 +44,18 @@ def default_capacity(
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
+    _check_experts("jax_ep.default_capacity", num_experts, num_ranks, f"num_ranks={num_ranks}")
+    return _capacity(num_ranks, num_tokens, topk, num_experts, layout, expert_alignment)
+
+
+def _check_experts(op: str, num_experts: int, num_ranks: int, ranks: str) -> None:
     if num_experts % num_ranks:
         raise ValueError(
-            f"jax_ep.default_capacity: num_experts must be a multiple of num_ranks={num_ranks}, got {num_experts}"
+            f"{op}: num_experts must be a multiple of {ranks}; expected a multiple of {num_ranks}, got {num_experts}"
         )
+
+
+def _capacity(num_ranks: int, num_tokens: int, topk: int, num_experts: int, layout: str, expert_alignment: int) -> int:
     local_experts = num_experts // num_ranks
     if layout == "ragged":
         return num_ranks * num_tokens * min(topk, local_experts) + local_experts * (expert_alignment - 1)
@@ -61,6 +84,7 @@ def dispatch(
     expert_alignment: int = 1,
     wire_dtype: Any = None,
     backend: str = "auto",
+    transfer: str = "fused",
 ) -> Dispatched:
     """Send each token to the ranks of its top-k experts.
 
@@ -85,15 +109,39 @@ def dispatch(
         multiple of 128) and ``x`` comes back dequantized; the gradient passes
         straight through.
       backend: ``"auto"``, ``"xla"`` or ``"cuda"``.
+      transfer: ``"fused"`` (routing and rows in one exchange) or
+        ``"separate"``: the routing in one exchange, then the rows along the
+        handle in another, so that a ``jax.checkpoint`` that saves
+        ``"jax_ep_handle"`` recomputes only the rows' transfer. Both give the
+        same results and gradients bit for bit.
 
     Returns:
-      A :class:`Dispatched`; see its docstring for shapes.
+      A :class:`Dispatched`; see its docstring for shapes. Under
+      ``jax.checkpoint``, ``x`` is named ``"jax_ep_rows"`` and every other
+      field ``"jax_ep_handle"`` (``jax.ad_checkpoint.checkpoint_name``).
     """
     config = _dispatch_config(
         x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
     )
+    check_choice("transfer", transfer, TRANSFERS)
+    if transfer == "separate" and config.backend == "cuda" and config.wire_dtype is not None:
+        raise ValueError(
+            "jax_ep.dispatch: backend 'cuda' moves the rows of transfer='separate' with its combine-backward kernel, "
+            "which takes float32, bfloat16 or float16 rows, not FP8; use transfer='fused' with wire_dtype, or "
+            "wire_dtype=None"
+        )
     with jax.named_scope("jax_ep.dispatch"):
-        return _dispatch(config, x, topk_idx, topk_weights)
+        if transfer == "fused":
+            return _named(_dispatch(config, x, topk_idx, topk_weights))
+        routed = _named(_route(config, topk_idx, topk_weights))
+        rows = _transfer(config, RowType(x.shape[1], jnp.dtype(x.dtype)), x, routed.handle)
+        return dataclasses.replace(routed, x=checkpoint_name(rows.reshape(config.layout_shape(x.shape[1])), ROWS))
+
+
+def _named(d: Dispatched) -> Dispatched:
+    """``d`` with its fields named for ``jax.checkpoint`` policies: ``x`` ROWS, the others HANDLE."""
+    rest = checkpoint_name(dataclasses.replace(d, x=None), HANDLE)
+    return dataclasses.replace(rest, x=checkpoint_name(d.x, ROWS))
 
 
 def _dispatch_config(
@@ -107,25 +155,14 @@ def _dispatch_config(
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
-    wire = _fp8.check_wire_dtype(wire_dtype, hidden)
+    wire = fp8.check_wire_dtype(wire_dtype, hidden)
     if capacity is not None:
         capacity = check_positive_int("capacity", capacity)
     num_ranks = _axis_size(axis_name)
-    if num_experts % num_ranks:
-        raise ValueError(
-            f"jax_ep.dispatch: num_experts must be a multiple of the size of axis {axis_name!r}; "
-            f"expected a multiple of {num_ranks}, got {num_experts}"
-        )
+    _check_experts("jax_ep.dispatch", num_experts, num_ranks, f"the size of axis {axis_name!r}")
     topk = topk_idx.shape[1]
     if capacity is None:
-        capacity = default_capacity(
-            num_ranks=num_ranks,
-            num_tokens=num_tokens,
-            topk=topk,
-            num_experts=num_experts,
-            layout=layout,
-            expert_alignment=expert_alignment,
-        )
+        capacity = _capacity(num_ranks, num_tokens, topk, num_experts, layout, expert_alignment)
     # Alignment beyond the capacity pads nothing more (every row past C is cut): the same layout, and segment
     # starts that stay small.
     expert_alignment = min(expert_alignment, capacity)
@@ -186,22 +223,22 @@ def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    rows = _fp8.wire_rows(x, config.wire_dtype)  # packed FP8 rows travel as bytes; the backward pass is unchanged
+    rows = fp8.wire_rows(x, config.wire_dtype)  # packed FP8 rows travel as bytes; the backward pass is unchanged
     d = backends.module(config.backend).dispatch(config, rows, topk_idx, topk_weights)
-    return _unwire(config, d, x.shape[1], x.dtype)
+    return _unwire(config, d, RowType(x.shape[1], x.dtype))
 
 
-def _unwire(config: Config, d: Dispatched, hidden: int, dtype: Any) -> Dispatched:
+def _unwire(config: Config, d: Dispatched, x_type: RowType) -> Dispatched:
     """``d`` with its layout rows dequantized, where they travelled as FP8."""
     if config.wire_dtype is None:
         return d
-    rows = _fp8.unpack(d.x.reshape(config.num_rows, -1), hidden, dtype)
-    return dataclasses.replace(d, x=rows.reshape(config.layout_shape(hidden)))
+    rows = fp8.unpack(d.x.reshape(config.num_rows, -1), x_type.hidden, x_type.dtype)
+    return dataclasses.replace(d, x=rows.reshape(config.layout_shape(x_type.hidden)))
 
 
 def _dispatch_fwd(config, x, topk_idx, topk_weights):
     result = _dispatch(config, x, topk_idx, topk_weights)
-    return result, result.handle
+    return result, checkpoint_name(result.handle, HANDLE)
 
 
 def _dispatch_bwd(config, handle, cotangent):
@@ -212,6 +249,47 @@ def _dispatch_bwd(config, handle, cotangent):
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+# transfer="separate": the routing (no rows) and the rows' transfer along its handle, each with its own VJP.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    return backends.module(config.backend).route(config, topk_idx, topk_weights)
+
+
+def _route_fwd(config, topk_idx, topk_weights):
+    result = _route(config, topk_idx, topk_weights)
+    return result, checkpoint_name(result.handle, HANDLE)
+
+
+def _route_bwd(config, handle, cotangent):
+    no_rows = jnp.zeros((config.num_rows, 0), jnp.float32)
+    backend = backends.module(config.backend)
+    _, dtopk_weights = backend.combine(handle, no_rows, None, jnp.float32, cotangent.weights.reshape(-1))
+    return None, dtopk_weights
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _transfer(config: Config, x_type: RowType, x: jax.Array, handle: Handle) -> jax.Array:
+    rows = backends.module(config.backend).transfer(handle, fp8.wire_rows(x, config.wire_dtype))
+    return rows if config.wire_dtype is None else fp8.unpack(rows, x_type.hidden, x_type.dtype)
+
+
+def _transfer_fwd(config, x_type, x, handle):
+    return _transfer(config, x_type, x, handle), checkpoint_name(handle, HANDLE)
+
+
+def _transfer_bwd(config, x_type, handle, rows_ct):
+    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, rows_ct.dtype)
+    return dx, None
+
+
+_transfer.defvjp(_transfer_fwd, _transfer_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -242,8 +320,11 @@ def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *
     must run no other jax_ep op (the kernels fail the call otherwise). On the xla backend the finish runs the
     whole exchange, which XLA schedules as it always does. See docs/guide.md.
     """
-    config = _dispatch_config(x, topk_idx, topk_weights, **_dispatch_keywords(kwargs))
-    x_type = (x.shape[1], jnp.dtype(x.dtype))
+    keywords = _dispatch_keywords(kwargs)
+    if keywords.pop("transfer") != "fused":
+        raise ValueError("jax_ep.dispatch_start: transfer must be 'fused'; the split ops route and send in the start")
+    config = _dispatch_config(x, topk_idx, topk_weights, **keywords)
+    x_type = RowType(x.shape[1], jnp.dtype(x.dtype))
     with jax.named_scope("jax_ep.dispatch_start"):
         started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
     return PendingDispatch(started, config, x_type)
@@ -263,7 +344,7 @@ def dispatch_finish(pending: PendingDispatch) -> Dispatched:
             f"jax_ep.dispatch_finish: expected what jax_ep.dispatch_start returned, got {type(pending).__name__}"
         )
     with jax.named_scope("jax_ep.dispatch_finish"):
-        return _dispatch_finish(pending.config, pending.x_type, pending.started)
+        return _named(_dispatch_finish(pending.config, pending.x_type, pending.started))
 
 
 def combine_start(
@@ -298,8 +379,11 @@ def combine_finish(pending: PendingCombine) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_start(config: Config, x_type: tuple, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array):
-    return backends.module(config.backend).dispatch_start(config, x, topk_idx, topk_weights)
+def _dispatch_start(
+    config: Config, x_type: RowType, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array
+) -> DispatchStarted:
+    rows = fp8.wire_rows(x, config.wire_dtype)
+    return backends.module(config.backend).dispatch_start(config, rows, topk_idx, topk_weights, x_type)
 
 
 def _dispatch_start_fwd(config, x_type, x, topk_idx, topk_weights):
@@ -308,7 +392,7 @@ def _dispatch_start_fwd(config, x_type, x, topk_idx, topk_weights):
 
 
 def _dispatch_start_bwd(config, x_type, started, dstarted):
-    dx, dweights = backends.module(config.backend).dispatch_start_backward(config, started, dstarted, *x_type)
+    dx, dweights = backends.module(config.backend).dispatch_start_backward(config, started, dstarted, x_type)
     return dx, None, dweights
 
 
@@ -316,13 +400,13 @@ _dispatch_start.defvjp(_dispatch_start_fwd, _dispatch_start_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_finish(config: Config, x_type: tuple, started: tuple) -> Dispatched:
-    return _unwire(config, backends.module(config.backend).dispatch_finish(config, started), *x_type)
+def _dispatch_finish(config: Config, x_type: RowType, started: DispatchStarted) -> Dispatched:
+    return _unwire(config, backends.module(config.backend).dispatch_finish(config, started), x_type)
 
 
 def _dispatch_finish_fwd(config, x_type, started):
     result = _dispatch_finish(config, x_type, started)
-    return result, result.handle
+    return result, checkpoint_name(result.handle, HANDLE)
 
 
 def _dispatch_finish_bwd(config, x_type, handle, cotangent):
@@ -339,7 +423,7 @@ def _combine_rows(y: jax.Array, handle: Handle, weights: jax.Array | None) -> tu
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_start(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> tuple:
+def _combine_start(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> CombineStarted:
     rows, flat_weights = _combine_rows(y, handle, weights)
     return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype)
 
@@ -358,7 +442,9 @@ _combine_start.defvjp(_combine_start_fwd, _combine_start_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_finish(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None, started: tuple):
+def _combine_finish(
+    partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None, started: CombineStarted
+) -> jax.Array:
     rows, flat_weights = _combine_rows(y, handle, weights)
     return backends.module(handle.config.backend).combine_finish(handle, rows, flat_weights, partial_dtype, started)
 

@@ -19,14 +19,15 @@ cotangent rows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .. import _fp8, _group
-from .._types import Config, Dispatched, Handle
+from .. import group as _group
+from ..types import CombineStarted, Config, Dispatched, DispatchStarted, Handle, RowType
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -50,10 +51,11 @@ def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int)
             f"jax_ep.initialize made the group of axis {axis_name!r} for {group.num_ranks} ranks, "
             f"but this dispatch runs over {num_ranks}"
         )
-    if topk > _group.MAX_TOPK:
-        return None, f"topk must be at most {_group.MAX_TOPK} for backend 'cuda', got {topk}"
-    if num_experts > _group.MAX_EXPERTS:
-        return None, f"num_experts must be at most {_group.MAX_EXPERTS} for backend 'cuda', got {num_experts}"
+    limits = _group.limits()
+    if topk > limits["max_topk"]:
+        return None, f"topk must be at most {limits['max_topk']} for backend 'cuda', got {topk}"
+    if num_experts > limits["max_experts"]:
+        return None, f"num_experts must be at most {limits['max_experts']} for backend 'cuda', got {num_experts}"
     return group.id, ""
 
 
@@ -74,11 +76,14 @@ def _check_dtype(name: str, value: jax.Array) -> None:
         )
 
 
-def _call(name: str, results: Any, *args: jax.Array, config: Config, **attrs: Any) -> Any:
-    _group.extension()
+def _call(target: str, results: dict[str, Any], *args: jax.Array, config: Config, **attrs: Any) -> dict[str, jax.Array]:
+    """One FFI call of ``target``. ``results`` maps each result's name to its type; the extension's ``results()``
+    (ffi/xla/handlers.h, kTargets) gives their order. Returns each result by its name."""
+    names = _group.extension().results()[target]
+    assert set(names) == set(results), f"{target} returns {names}, not {sorted(results)}"
     rank = jax.lax.axis_index(config.axis_name).astype(jnp.int32)
-    call = jax.ffi.ffi_call(name, results)
-    return call(*args, rank, group=config.group, **attrs)
+    call = jax.ffi.ffi_call(target, tuple(results[name] for name in names))
+    return dict(zip(names, call(*args, rank, group=config.group, **attrs), strict=True))
 
 
 def _dispatch_attrs(config: Config) -> dict[str, Any]:
@@ -91,88 +96,100 @@ def _dispatch_attrs(config: Config) -> dict[str, Any]:
     )
 
 
-def _received(config: Config, x: jax.Array) -> tuple[Any, ...]:
-    """Result types of what a dispatch's receive phase writes, in the whole call's order."""
+def _received(config: Config, x: jax.Array) -> dict[str, Any]:
+    """Result types of what a dispatch's receive phase writes."""
     i32 = jnp.int32
-    return (
-        _result(x, (config.num_rows, x.shape[1]), x.dtype),  # x
-        _result(x, (config.num_rows,), jnp.float32),  # weights
-        _result(x, (config.local_experts,), i32),  # group_sizes
-        _result(x, (), i32),  # num_dropped
-        _result(x, (), i32),  # num_invalid
-    )
+    return {
+        "x": _result(x, (config.num_rows, x.shape[1]), x.dtype),
+        "weights": _result(x, (config.num_rows,), jnp.float32),
+        "group_sizes": _result(x, (config.local_experts,), i32),
+        "num_dropped": _result(x, (), i32),
+        "num_invalid": _result(x, (), i32),
+        "send_counts": _result(x, (config.num_ranks,), i32),
+        "recv_rows": _result(x, (config.num_ranks, config.num_tokens, config.topk), i32),
+        "recv_counts": _result(x, (config.num_ranks,), i32),
+        "row_slot": _result(x, (config.num_rows,), i32),
+    }
 
 
-def _routed(config: Config, x: jax.Array) -> tuple[Any, Any]:
-    """Result types of token_dest_pos and slot_dest, which the routing and send phase write."""
-    return (
-        _result(x, (config.num_tokens, config.num_ranks), jnp.int32),
-        _result(x, (config.num_tokens, config.topk), jnp.int32),
-    )
+def _routed(config: Config, x: jax.Array) -> dict[str, Any]:
+    """Result types of what the routing and send phase writes."""
+    return {
+        "token_dest_pos": _result(x, (config.num_tokens, config.num_ranks), jnp.int32),
+        "slot_dest": _result(x, (config.num_tokens, config.topk), jnp.int32),
+    }
 
 
-def _counted(config: Config, x: jax.Array) -> tuple[Any, ...]:
-    """Result types of send_counts, recv_rows, recv_counts and row_slot (receive phase)."""
-    i32 = jnp.int32
-    return (
-        _result(x, (config.num_ranks,), i32),
-        _result(x, (config.num_ranks, config.num_tokens, config.topk), i32),
-        _result(x, (config.num_ranks,), i32),
-        _result(x, (config.num_rows,), i32),
-    )
-
-
-def _dispatched(config: Config, hidden: int, received: Any, handle: tuple[jax.Array, ...]) -> Dispatched:
-    x_rows, weights, group_sizes, num_dropped, num_invalid = received
+def _dispatched(config: Config, hidden: int, out: dict[str, jax.Array]) -> Dispatched:
+    """The dispatch's outputs, by name: the receive phase's and the routing phase's."""
+    routing = {field.name: out[field.name] for field in dataclasses.fields(Handle) if field.name != "config"}
     return Dispatched(
-        x=x_rows.reshape(config.layout_shape(hidden)),
-        weights=weights.reshape(config.weights_shape),
-        group_sizes=group_sizes,
-        num_dropped=num_dropped,
-        num_invalid=num_invalid,
-        handle=Handle(*handle, config),
+        x=out["x"].reshape(config.layout_shape(hidden)),
+        weights=out["weights"].reshape(config.weights_shape),
+        group_sizes=out["group_sizes"],
+        num_dropped=out["num_dropped"],
+        num_invalid=out["num_invalid"],
+        handle=Handle(**routing, config=config),
     )
 
 
 def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
     """Forward dispatch on one rank in one FFI call; see :func:`jax_ep.dispatch`.
 
-    With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep._fp8``): bytes to move.
+    With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep.ep.fp8``): bytes to move.
     """
     if config.wire_dtype is None:
         _check_dtype("x", x)
-    token_dest_pos, slot_dest = _routed(config, x)
-    send_counts, recv_rows, recv_counts, row_slot = _counted(config, x)
-    results = (*_received(config, x), token_dest_pos, send_counts, slot_dest, recv_rows, recv_counts, row_slot)
+    results = {**_received(config, x), **_routed(config, x)}
     out = _call("jax_ep_dispatch", results, x, topk_idx, topk_weights, **_dispatch_attrs(config))
-    return _dispatched(config, x.shape[1], out[:5], out[5:])
+    return _dispatched(config, x.shape[1], out)
 
 
-def dispatch_start(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> tuple:
-    """Routing and the send phase. Returns what the finish needs: ``(rows, topk_idx, topk_weights,
-    token_dest_pos, slot_dest, link)``, rows as they travel (``x`` or its packed FP8 rows); ``link`` (float32
-    [1]) carries, in the backward pass, the combine start of the finish's backward pass to the start's."""
-    rows = _fp8.wire_rows(x, config.wire_dtype)
+def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
+    """A dispatch of rows of no bytes: the routing, weights, sizes and handle (``x`` has no columns)."""
+    return dispatch(config, _zeros(topk_weights, (config.num_tokens, 0), jnp.float32), topk_idx, topk_weights)
+
+
+def transfer(handle: Handle, rows: jax.Array) -> jax.Array:
+    """Token rows ``[T, W]`` along ``handle`` with the combine-backward kernel (weight 1, no ``y``): ``[N, W]``."""
+    config = handle.config
+    _check_dtype("x", rows)
+    h, no_y, no_weights = handle, _zeros(rows, (config.num_rows, 0), rows.dtype), jnp.zeros((0,), jnp.float32)
+    operands = (rows, no_y, no_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
+    results = {
+        "dy": _result(rows, (config.num_rows, rows.shape[1]), rows.dtype),
+        "dweights": _result(rows, (0,), jnp.float32),
+    }
+    return _call("jax_ep_combine_backward", results, *operands, config=config)["dy"]
+
+
+def dispatch_start(
+    config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
+) -> DispatchStarted:
+    """Routing and the send phase. ``link`` (float32 [1], the call's output ``sent``) carries, in the backward
+    pass, the combine start of the finish's backward pass to the start's."""
+    del x_type
     if config.wire_dtype is None:
         _check_dtype("x", rows)
-    token_dest_pos, slot_dest, link = _call(
+    out = _call(
         "jax_ep_dispatch_start",
-        (*_routed(config, rows), _result(rows, (1,), jnp.float32)),
+        {**_routed(config, rows), "sent": _result(rows, (1,), jnp.float32)},
         rows,
         topk_idx,
         topk_weights,
         **_dispatch_attrs(config),
     )
-    return rows, topk_idx, topk_weights, token_dest_pos, slot_dest, link
+    return DispatchStarted(
+        rows, topk_idx, topk_weights, link=out["sent"], token_dest_pos=out["token_dest_pos"], slot_dest=out["slot_dest"]
+    )
 
 
-def dispatch_finish(config: Config, started: tuple) -> Dispatched:
+def dispatch_finish(config: Config, started: DispatchStarted) -> Dispatched:
     """The receive phase of :func:`dispatch_start`'s call."""
-    rows, topk_idx, topk_weights, token_dest_pos, slot_dest, _ = started
-    send_counts, recv_rows, recv_counts, row_slot = _counted(config, rows)
+    rows, topk_idx, topk_weights, _, token_dest_pos, slot_dest = started
     out = _call(
         "jax_ep_dispatch_finish",
-        (*_received(config, rows), send_counts, recv_rows, recv_counts, row_slot),
+        _received(config, rows),
         rows,
         topk_idx,
         topk_weights,
@@ -180,21 +197,21 @@ def dispatch_finish(config: Config, started: tuple) -> Dispatched:
         slot_dest,
         **_dispatch_attrs(config),
     )
-    handle = (token_dest_pos, out[5], slot_dest, *out[6:])
-    return _dispatched(config, rows.shape[1], out[:5], handle)
+    return _dispatched(config, rows.shape[1], {**out, "token_dest_pos": token_dest_pos, "slot_dest": slot_dest})
 
 
-def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> tuple:
+def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
     """The backward pass of the finish: the start of the cotangents' combine, carried in ``link``. It stages
     this rank's own partial sums too, so that its finish needs only what the start made."""
     operands = _combine_operands(handle, rows_ct, None, weights_ct)
     sent = _combine_start(handle.config, operands, partial_f32=False, stage_own=True)
-    return None, None, None, None, None, sent
+    return DispatchStarted(None, None, None, sent)
 
 
-def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hidden: int, dtype: Any):
+def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType):
     """The backward pass of the start: that combine's finish, from the start's own outputs. Returns (dx, dweights)."""
-    token_dest_pos, slot_dest = started[3], started[4]
+    token_dest_pos, slot_dest = started.token_dest_pos, started.slot_dest
+    hidden, dtype = x_type
     empty = jnp.zeros((0,), jnp.int32)
     operands = (
         _zeros(token_dest_pos, (0, hidden), dtype),  # no y: the start staged every partial sum
@@ -205,7 +222,7 @@ def dispatch_start_backward(config: Config, started: tuple, dstarted: tuple, hid
         token_dest_pos,
         slot_dest,
     )
-    out, values = _combine_finish(config, operands, dstarted[5], hidden, dtype, True, False, stage_own=True)
+    out, values = _combine_finish(config, operands, dstarted.link, hidden, dtype, True, False, stage_own=True)
     return out, values
 
 
@@ -217,18 +234,19 @@ def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weigh
     return (cotangent.astype(rows.dtype), rows, flat_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
 
 
-def _backward_results(handle: Handle, y: jax.Array, weights: jax.Array | None) -> tuple:
+def _backward_results(handle: Handle, y: jax.Array, weights: jax.Array | None) -> dict[str, Any]:
     rows = y.reshape(handle.config.num_rows, -1)
-    return (
-        _result(rows, rows.shape, rows.dtype),
-        _result(rows, (rows.shape[0] if weights is not None else 0,), jnp.float32),
-    )
+    return {
+        "dy": _result(rows, rows.shape, rows.dtype),
+        "dweights": _result(rows, (rows.shape[0] if weights is not None else 0,), jnp.float32),
+    }
 
 
-def _backward_outputs(y: jax.Array, weights: jax.Array | None, dy: jax.Array, dweights: jax.Array):
+def _backward_outputs(y: jax.Array, weights: jax.Array | None, out: dict[str, jax.Array]):
+    dy = out["dy"].reshape(y.shape)
     if weights is None:
-        return dy.reshape(y.shape), None
-    return dy.reshape(y.shape), dweights.reshape(weights.shape).astype(weights.dtype)
+        return dy, None
+    return dy, out["dweights"].reshape(weights.shape).astype(weights.dtype)
 
 
 def combine_backward(
@@ -236,10 +254,8 @@ def combine_backward(
 ) -> tuple[jax.Array, jax.Array | None]:
     """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
     operands = _backward_operands(handle, cotangent, y, weights)
-    dy, dweights = _call(
-        "jax_ep_combine_backward", _backward_results(handle, y, weights), *operands, config=handle.config
-    )
-    return _backward_outputs(y, weights, dy, dweights)
+    out = _call("jax_ep_combine_backward", _backward_results(handle, y, weights), *operands, config=handle.config)
+    return _backward_outputs(y, weights, out)
 
 
 def _combine_operands(
@@ -267,6 +283,14 @@ def _partial_f32(rows: jax.Array, partial_dtype: Any) -> bool:
     return jnp.dtype(partial_dtype) == jnp.dtype(jnp.float32) and rows.dtype != jnp.float32
 
 
+def _combined(config: Config, like: jax.Array, hidden: int, dtype: Any, with_values: bool) -> dict[str, Any]:
+    """Result types of a combine's receive phase: the [T, H] sums, and the slot values ([T, K], else [0])."""
+    return {
+        "out": _result(like, (config.num_tokens, hidden), dtype),
+        "slot_values": _result(like, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
+    }
+
+
 def combine(
     handle: Handle,
     rows: jax.Array,
@@ -276,65 +300,58 @@ def combine(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
     config = handle.config
-    results = (
-        _result(rows, (config.num_tokens, rows.shape[1]), rows.dtype),
-        _result(rows, (config.num_tokens, config.topk) if row_values is not None else (0,), jnp.float32),
-    )
-    out, values = _call(
+    out = _call(
         "jax_ep_combine",
-        results,
+        _combined(config, rows, rows.shape[1], rows.dtype, row_values is not None),
         *_combine_operands(handle, rows, weights, row_values),
         config=config,
         partial_f32=_partial_f32(rows, partial_dtype),
     )
-    return out, (values if row_values is not None else None)
+    return out["out"], (out["slot_values"] if row_values is not None else None)
 
 
 def _combine_start(config: Config, operands: tuple, *, partial_f32: bool, stage_own: bool) -> jax.Array:
     """A split combine's send phase; returns the start's output ``sent`` (float32 [1])."""
-    (sent,) = _call(
+    out = _call(
         "jax_ep_combine_start",
-        (_result(operands[0], (1,), jnp.float32),),
+        {"sent": _result(operands[0], (1,), jnp.float32)},
         *operands,
         config=config,
         partial_f32=partial_f32,
         stage_own=stage_own,
     )
-    return sent
+    return out["sent"]
 
 
 def _combine_finish(config, operands, sent, hidden, dtype, with_values, partial_f32, *, stage_own):
     """A split combine's receive phase: the [T, H] sums (and the slot values, or None)."""
     like = operands[5]  # token_dest_pos
-    results = (
-        _result(like, (config.num_tokens, hidden), dtype),
-        _result(like, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
-    )
-    out, values = _call(
+    out = _call(
         "jax_ep_combine_finish",
-        results,
+        _combined(config, like, hidden, dtype, with_values),
         *operands,
         sent,
         config=config,
         partial_f32=partial_f32,
         stage_own=stage_own,
     )
-    return out, (values if with_values else None)
+    return out["out"], (out["slot_values"] if with_values else None)
 
 
-def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> tuple:
-    """The send phase. Returns ``(sent, g_link)``: the start's output, and a [T, H] placeholder whose cotangent
-    carries combine's output cotangent to :func:`combine_start_backward`."""
+def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> CombineStarted:
+    """The send phase."""
     operands = _combine_operands(handle, rows, weights, None)
     sent = _combine_start(handle.config, operands, partial_f32=_partial_f32(rows, partial_dtype), stage_own=False)
-    return sent, _zeros(rows, (handle.config.num_tokens, rows.shape[1]), rows.dtype)
+    return CombineStarted(sent, _zeros(rows, (handle.config.num_tokens, rows.shape[1]), rows.dtype))
 
 
-def combine_finish(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: tuple):
+def combine_finish(
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted
+) -> jax.Array:
     """The receive phase of :func:`combine_start`'s call (this rank's own partial sums from ``rows``)."""
     operands = _combine_operands(handle, rows, weights, None)
     partial_f32 = _partial_f32(rows, partial_dtype)
-    args = (handle.config, operands, started[0], rows.shape[1], rows.dtype, False, partial_f32)
+    args = (handle.config, operands, started.sent, rows.shape[1], rows.dtype, False, partial_f32)
     return _combine_finish(*args, stage_own=False)[0]
 
 
@@ -342,19 +359,20 @@ def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, 
     """The backward pass of the finish: the send phase of combine's backward pass. Returns (dy, dweights,
     dstarted), dstarted carrying the start's output and the cotangent to :func:`combine_start_backward`."""
     operands = _backward_operands(handle, cotangent, y, weights)
-    (sent,) = _call("jax_ep_combine_backward_start", (_result(y, (1,), jnp.float32),), *operands, config=handle.config)
-    return None, None, (sent, operands[0])
+    results = {"sent": _result(y, (1,), jnp.float32)}
+    out = _call("jax_ep_combine_backward_start", results, *operands, config=handle.config)
+    return None, None, CombineStarted(out["sent"], operands[0])
 
 
-def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: tuple):
+def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted):
     """The backward pass of the start: the receive phase of combine's backward pass. Returns (dy, dweights)."""
     sent, cotangent = dstarted
     operands = _backward_operands(handle, cotangent, y, weights)
-    dy, dweights = _call(
+    out = _call(
         "jax_ep_combine_backward_finish",
         _backward_results(handle, y, weights),
         *operands,
         sent,
         config=handle.config,
     )
-    return _backward_outputs(y, weights, dy, dweights)
+    return _backward_outputs(y, weights, out)

@@ -2,11 +2,11 @@
 
 Run as a script::
 
-    python tests/fuzz.py [--cases N] [--seed S] [--ranks 1,2,4,8] [--buckets B] [--out results.json] [--backend xla]
-    python tests/fuzz.py --replay SEED             # rerun one case, print its config and every mismatch
-    python tests/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
-    python tests/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
-    python tests/fuzz.py --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
+    python tools/fuzz.py [--cases N] [--seed S] [--ranks 1,2,4,8] [--buckets B] [--out results.json] [--backend xla]
+    python tools/fuzz.py --replay SEED             # rerun one case, print its config and every mismatch
+    python tools/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
+    python tools/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
+    python tools/fuzz.py --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
@@ -38,7 +38,8 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))  # the NumPy reference and the test helpers
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -91,7 +92,7 @@ ROWS_BUDGET = 2**21  # R * N * max(H, H') elements of a layout-shaped array, to 
 SEED_BASE = (10**10, 10**8, 10**6)  # seed = campaign * 1e10 + R * 1e8 + bucket * 1e6 + index
 SEED_FORMAT = (
     "case seed = campaign * 10**10 + R * 10**8 + bucket * 10**6 + index; a bucket's seeds are listed, or given as "
-    "first..last (every integer between); replay one case with: python tests/fuzz.py --replay SEED"
+    "first..last (every integer between); replay one case with: python tools/fuzz.py --replay SEED"
 )
 
 
@@ -779,7 +780,7 @@ def campaign(
     wall = time.perf_counter() - start
     steady = wall - first_call_s
     report = dict(
-        tool="tests/fuzz.py",
+        tool="tools/fuzz.py",
         backend=backend,
         platform=(
             f"cpu, {len(jax.devices('cpu'))} simulated CPU devices"
@@ -827,7 +828,7 @@ def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(r["time"]["wall_s"] for r in reports)
     cases = sum(r["cases"] for r in reports)
     return dict(
-        tool="tests/fuzz.py",
+        tool="tools/fuzz.py",
         backend=sorted(set(_each(reports, "backend"))),
         platform=reports[0]["platform"],
         jax_version=reports[0]["jax_version"],
@@ -889,7 +890,8 @@ def in_processes(args: argparse.Namespace, command: str) -> dict[str, Any]:
     process that saw it."""
     import tempfile
 
-    from jax_ep.bench.multiprocess import run_workers
+    sys.path.insert(0, os.path.join(REPO, "bench"))  # bench/multiprocess.py
+    from multiprocess import run_workers
 
     folder = Path(tempfile.mkdtemp(prefix="jax_ep_fuzz_"))
     worker = [sys.executable, os.path.abspath(__file__), "--cases", str(args.cases), "--seed", str(args.seed)]
@@ -965,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, help="R as this many processes, one rank each (GPU: all on GPU 0)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # PORT,INDEX: one process of --processes
     args = parser.parse_args(argv)
-    command = "python " + shlex.join(["tests/fuzz.py", *(sys.argv[1:] if argv is None else argv)])
+    command = "python " + shlex.join(["tools/fuzz.py", *(sys.argv[1:] if argv is None else argv)])
 
     if args.merge:
         reports = []
@@ -1005,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[fuzz] cases per R: {report['counts']['by_ranks']}")
     for m in report["mismatches"]:
-        print(f"[fuzz] MISMATCH seed={m['seed']} (replay: python tests/fuzz.py --replay {m['seed']})")
+        print(f"[fuzz] MISMATCH seed={m['seed']} (replay: python tools/fuzz.py --replay {m['seed']})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

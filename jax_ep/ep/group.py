@@ -10,6 +10,7 @@ in the traced program, so the calls can be captured in XLA command buffers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -22,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._validate import check_positive_int
+from .._validate import check_positive_int
 
 try:
-    from . import _jax_ep_cuda as _extension
+    from .. import _jax_ep_cuda as _extension
 except ImportError as _error:  # built without CUDA, or its libraries are missing
     _extension = None
     _import_error: ImportError | None = _error
@@ -33,8 +34,6 @@ else:
     _import_error = None
 
 TRANSPORTS = ("auto", "nccl")
-MAX_TOPK = 64  # the kernels keep a token's rows in shared memory
-MAX_EXPERTS = 8192  # the receivers' row tables live in shared memory
 _SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
 _ids = itertools.count(1)  # group ids; also name each initialize call's keys in jax.distributed's key-value store
 
@@ -59,7 +58,7 @@ def cuda_available() -> bool:
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ("" when it is True)."""
-    return "" if _import_error is None else why_not_loaded(_import_error, Path(__file__).parent)
+    return "" if _import_error is None else why_not_loaded(_import_error, Path(__file__).parents[1])
 
 
 def why_not_loaded(error: ImportError, package: Path) -> str:
@@ -82,6 +81,13 @@ def extension() -> Any:
     """The loaded extension, with its FFI targets registered with jax."""
     _register()
     return _extension
+
+
+@functools.cache
+def limits() -> dict[str, int]:
+    """The kernels' limits (ffi/kernels/launch.h): ``max_topk`` (a token's rows are held in shared memory) and
+    ``max_experts`` (so are the receivers' row tables). Needs the extension: raises :func:`extension`'s error."""
+    return dict(extension().limits())
 
 
 def nccl_version() -> int:
@@ -109,10 +115,6 @@ def _register() -> None:
         _registered = True
 
 
-def _row_bytes(hidden: int, dtype: Any) -> int:
-    return hidden * jnp.dtype(dtype).itemsize
-
-
 def buffer_size_hint(
     *, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int, dtype: Any = jnp.float32
 ) -> int:
@@ -123,11 +125,13 @@ def buffer_size_hint(
     ``partial_dtype=jnp.float32``). Two halves, so a call never overwrites what
     a peer may still read of the call before:
     ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``.
+
+    The CUDA extension computes it (``ffi/kernels/launch.h``, ``StagingBytes``), as the kernels check it; without
+    the extension this raises the RuntimeError of backend "cuda" being unavailable.
     """
     local_experts = max(num_experts // num_ranks, 1)
-    stride = -(-_row_bytes(hidden, dtype) // 16) * 16
-    region = 16 + 16 * -(-(local_experts + 1) // 4) + -(-num_tokens * topk * 12 // 16) * 16 + num_tokens * stride
-    return 2 * num_ranks * region
+    row_bytes = hidden * jnp.dtype(dtype).itemsize
+    return extension().staging_bytes(num_ranks, num_tokens, row_bytes, topk, local_experts)
 
 
 @dataclasses.dataclass(eq=False)
@@ -230,9 +234,10 @@ def initialize(
     GPUs through NCCL.
 
     Sizes are per rank, as seen inside ``shard_map``: ``num_tokens`` T,
-    ``hidden`` H, ``topk`` K (at most 64), ``num_experts`` E, and the widest
-    ``dtype`` that travels (see :func:`buffer_size_hint`). A later call with
-    larger shapes fails with a clear error. A rank that waits longer than
+    ``hidden`` H, ``topk`` K and ``num_experts`` E (at most the kernels'
+    ``jax_ep.ep.group.limits()``), and the widest ``dtype`` that travels
+    (see :func:`buffer_size_hint`). A later call with larger shapes fails
+    with a clear error. A rank that waits longer than
     ``timeout_s`` for a peer gives up and tells every peer: that call's
     outputs hold NaN, and every later call of the group fails with an error
     naming the rank that never came, until ``initialize`` is called again.
@@ -249,12 +254,6 @@ def initialize(
     """
     sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
     sizes = {name: check_positive_int(name, value) for name, value in sizes.items()}
-    if sizes["topk"] > MAX_TOPK:
-        raise ValueError(f"jax_ep.initialize: topk must be at most {MAX_TOPK} for backend 'cuda', got {topk}")
-    if sizes["num_experts"] > MAX_EXPERTS:
-        raise ValueError(
-            f"jax_ep.initialize: num_experts must be at most {MAX_EXPERTS} for backend 'cuda', got {num_experts}"
-        )
     if not timeout_s > 0:
         raise ValueError(f"jax_ep.initialize: timeout_s must be positive, got {timeout_s}")
     if num_sms is not None:
@@ -280,6 +279,14 @@ def initialize(
             f"expected a multiple of {num_ranks}, got {num_experts}"
         )
     _register()
+    limit = limits()
+    if sizes["topk"] > limit["max_topk"]:
+        raise ValueError(f"jax_ep.initialize: topk must be at most {limit['max_topk']} for backend 'cuda', got {topk}")
+    if sizes["num_experts"] > limit["max_experts"]:
+        raise ValueError(
+            f"jax_ep.initialize: num_experts must be at most {limit['max_experts']} for backend 'cuda', "
+            f"got {num_experts}"
+        )
     if axis_name in _groups:
         _groups[axis_name].finalize()
     groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, num_ranks).tolist()
