@@ -149,7 +149,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ffn", type=int, default=128, help="hidden width of each expert")
     parser.add_argument("--experts-per-rank", type=int, default=2)
     parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--layout", choices=("ragged", "expert"), default="expert", help="the MoE's dispatch layout")
+    parser.add_argument("--layout", choices=("ragged", "expert"), default="ragged", help="the MoE's dispatch layout")
     parser.add_argument(
         "--capacity-factor",
         type=float,
@@ -176,16 +176,25 @@ def make_mesh(ep: int | None) -> jax.sharding.Mesh:
     return jax.make_mesh((len(devices) // ep, ep), ("data", "ep"), axis_types=(AxisType.Auto,) * 2)
 
 
-def capacity(factor: float, layout: str, tokens_per_rank: int, topk: int, local_experts: int) -> int | None:
-    """The MoE's per-rank capacity: ``factor`` times the rows a rank gets under perfectly even routing.
+def capacity(factor: float, layout: str, num_ranks: int, tokens_per_rank: int, topk: int, local_experts: int):
+    """The MoE's per-rank capacity: ``factor`` times the rows a rank gets under perfectly even routing, at most
+    the capacity that never drops (None).
 
     A rank receives ``T * K`` rows on average (all of them, ``R * T * min(K, L)`` at worst, which is what
     ``None`` reserves); the "expert" layout counts rows per local expert, ``T * K / L`` on average.
     """
+    never_drops = jax_ep.default_capacity(
+        num_ranks=num_ranks,
+        num_tokens=tokens_per_rank,
+        topk=topk,
+        num_experts=num_ranks * local_experts,
+        layout=layout,
+    )
     if factor <= 0:
         return None
     rows = tokens_per_rank * topk / (local_experts if layout == "expert" else 1)
-    return max(1, math.ceil(factor * rows))
+    wanted = max(1, math.ceil(factor * rows))
+    return None if wanted >= never_drops else wanted
 
 
 def choose_backend(requested: str, mesh: jax.sharding.Mesh, moe: dict, tokens_per_rank: int) -> str:
@@ -233,7 +242,7 @@ def main() -> None:
     tokens_per_rank = tokens_per_step // devices
     moe = dict(
         layout=args.layout,
-        capacity=capacity(args.capacity_factor, args.layout, tokens_per_rank, args.topk, args.experts_per_rank),
+        capacity=capacity(args.capacity_factor, args.layout, ep, tokens_per_rank, args.topk, args.experts_per_rank),
         hidden=args.dim,
         intermediate=args.ffn,
         num_experts=num_experts,

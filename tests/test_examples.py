@@ -65,3 +65,14 @@ def test_train_lm(tmp_path):
     assert results["train_losses"][-1] < results["train_losses"][0] - 0.8, results
     assert results["val_loss"] < results["val_loss_initial"] - 0.8, results
     assert results["val_bits_per_byte"] < 7.0, results
+
+
+def test_train_lm_defaults_drop_no_slot_in_a_group_of_one(tmp_path):
+    """The example's default capacity never drops where a rank holds every expert (the issue's setting, 16
+    experts and top-4 on one rank per group, once dropped 28% of the slots)."""
+    pytest.importorskip("flax")
+    small = "--batch 16 --seq 64 --dim 64 --heads 2 --layers 1 --ffn 64 --ep 1 --corpus-mb 0.5"
+    args = ["--steps", "3", "--eval-every", "3", "--eval-batches", "1", "--experts-per-rank", "16", "--topk", "4"]
+    run_example("train_lm.py", *args, *small.split(), "--out", "lm", cwd=tmp_path)
+    results = json.loads((tmp_path / "lm" / "results.json").read_text())
+    assert results["dropped_slot_fraction"] == 0.0, results

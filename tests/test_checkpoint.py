@@ -1,0 +1,186 @@
+"""jax.checkpoint with the names jax_ep.dispatch gives its outputs: gradients equal those without checkpointing bit
+for bit, and the compiled step recomputes only what the policy leaves unsaved (all-to-alls on backend xla; jax_ep
+custom calls on backend cuda, on one GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import cpu_mesh
+from flax import nnx
+from gpu import gpu_devices, require_cuda
+from helpers import ep_jit, to_numpy
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+import jax_ep.nn
+
+T, H, K, E = 16, 128, 2, 8  # per rank
+POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "handle": jax.checkpoint_policies.save_only_these_names("jax_ep_handle"),
+    "rows": jax.checkpoint_policies.save_only_these_names("jax_ep_handle", "jax_ep_rows"),
+}
+
+
+def _inputs(ranks: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((ranks * T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(ranks * T)]).astype(np.int32)
+    w = (rng.random((ranks * T, K)) + 0.25).astype(np.float32)
+    m = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(m)
+
+
+def _step(mesh, backend: str, transfer: str, policy: str | None):
+    """jit(grad) of a layer (dispatch, an expert matmul, combine) under jax.checkpoint with ``policy`` (None: no
+    checkpoint), w.r.t. x, the routing weights and the expert weights; the loss is taken outside the layer, so
+    the forward pass runs the layer as training does."""
+
+    def layer(x, idx, w, m):
+        d = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", backend=backend, transfer=transfer)
+        y = jnp.tanh(d.x @ m)
+        return jax_ep.combine(y, d.handle, weights=d.weights)
+
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=POLICIES[policy])
+    sharded = jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P()), out_specs=P("ep"))
+    return jax.jit(jax.grad(lambda *a: jnp.sum(sharded(*a) ** 2), argnums=(0, 2, 3)))
+
+
+def _counts(step, args, names: tuple[str, ...]) -> dict[str, int]:
+    text = step.lower(*args).compile().as_text()
+    return {name: text.count(name) for name in names}
+
+
+def _check(mesh, backend: str, names: tuple[str, ...], expected: dict[tuple[str, str], dict[str, int]]):
+    args = _inputs(mesh.devices.size)
+    reference = _step(mesh, backend, "fused", None)
+    want = [np.asarray(g) for g in reference(*args)]
+    base = _counts(reference, args, names)
+    for (transfer, policy), extra in expected.items():
+        step = _step(mesh, backend, transfer, policy)
+        for got, ref in zip(step(*args), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), ref, err_msg=f"{transfer}, {policy}")
+        counts = _counts(step, args, names)
+        recomputed = {name: counts[name] - base[name] for name in names}
+        assert recomputed == extra, f"transfer={transfer}, policy={policy}: {counts} against {base} unchecked"
+
+
+def test_xla_recomputes_only_what_the_policy_leaves_unsaved():
+    """On xla a dispatch is a routing (count and metadata exchanges) and a transfer (one all-to-all). With the
+    handle saved and transfer="separate", the recompute is the transfer alone; with the rows saved too, nothing.
+    A fused dispatch cannot recompute its rows apart from its routing."""
+    mesh = cpu_mesh((4,), ("ep",))
+    whole = 2  # the all-to-alls of a recomputed dispatch that XLA does not share with the forward pass
+    _check(
+        mesh,
+        "xla",
+        ("all-to-all(",),
+        {
+            ("fused", "nothing"): {"all-to-all(": whole},
+            ("fused", "handle"): {"all-to-all(": whole},
+            ("fused", "rows"): {"all-to-all(": 0},
+            ("separate", "nothing"): {"all-to-all(": whole},
+            ("separate", "handle"): {"all-to-all(": 1},
+            ("separate", "rows"): {"all-to-all(": 0},
+        },
+    )
+
+
+@require_cuda()
+def test_cuda_recomputes_only_what_the_policy_leaves_unsaved():
+    """On cuda, transfer="separate" routes with a dispatch that moves no rows and moves the rows with the
+    combine-backward kernel along the handle; the recompute with the handle saved runs that kernel alone."""
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpu_devices()[:1])
+    jax_ep.initialize(mesh, "ep", num_tokens=T, hidden=H, topk=K, num_experts=E, dtype=jnp.float32)
+    try:
+        dispatch, transfer = '"jax_ep_dispatch"', '"jax_ep_combine_backward"'
+        _check(
+            mesh,
+            "cuda",
+            (dispatch, transfer),
+            {
+                ("fused", "nothing"): {dispatch: 1, transfer: 0},
+                ("fused", "handle"): {dispatch: 1, transfer: 0},
+                ("fused", "rows"): {dispatch: 0, transfer: 0},
+                ("separate", "nothing"): {dispatch: 1, transfer: 1},
+                ("separate", "handle"): {dispatch: 0, transfer: 1},
+                ("separate", "rows"): {dispatch: 0, transfer: 0},
+            },
+        )
+    finally:
+        jax_ep.finalize()
+
+
+@pytest.mark.parametrize("wire_dtype", [None, jnp.float8_e4m3fn], ids=["x_dtype", "fp8"])
+@pytest.mark.parametrize("layout", ["ragged", "expert"])
+def test_separate_transfer_equals_fused_dispatch(layout, wire_dtype):
+    """transfer="separate" gives the fused dispatch's outputs: the rows where slots are held, everything else."""
+    x, idx, w, _ = (a.reshape(4, -1, *a.shape[1:]) for a in _inputs(4, seed=1))
+
+    def run(transfer):
+        capacity = 24 if layout == "ragged" else 8
+        kw = dict(num_experts=E, axis_name="ep", layout=layout, capacity=capacity, wire_dtype=wire_dtype)
+        kw.update(transfer=transfer)
+        return to_numpy(ep_jit(lambda x, idx, w: jax_ep.dispatch(x, idx, w, **kw), 4)(x, idx, w))
+
+    fused, separate = run("fused"), run("separate")
+    assert fused.num_dropped.sum() > 0  # the capacity drops slots: held and dropped rows both show
+    held = fused.handle.row_slot.reshape(fused.weights.shape) >= 0
+    np.testing.assert_array_equal(np.where(held[..., None], separate.x, 0), np.where(held[..., None], fused.x, 0))
+    for name in ("weights", "group_sizes", "num_dropped", "num_invalid"):
+        np.testing.assert_array_equal(getattr(separate, name), getattr(fused, name), err_msg=name)
+    for a, b in zip(jax.tree.leaves(separate.handle), jax.tree.leaves(fused.handle), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_transfer_is_checked():
+    mesh = cpu_mesh((2,), ("ep",))
+    x, idx, w, _ = _inputs(2)
+    call = jax.shard_map(
+        lambda x, idx, w: jax_ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", transfer="later").x,
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
+    with pytest.raises(ValueError, match="transfer must be one of"):
+        call(x, idx, w)
+    start = jax.shard_map(
+        lambda x, idx, w: jax_ep.dispatch_start(x, idx, w, num_experts=E, axis_name="ep", transfer="separate"),
+        mesh=mesh,
+        in_specs=P("ep"),
+        out_specs=P("ep"),
+    )
+    with pytest.raises(ValueError, match="dispatch_start: transfer must be 'fused'"):
+        start(x, idx, w)
+
+
+@pytest.mark.parametrize("remat", ["full", "handle", "rows"])
+def test_moe_remat_gives_the_same_gradients(remat):
+    mesh = cpu_mesh((4,), ("ep",))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4 * T, H)).astype(np.float32))
+
+    def grads(remat):
+        layer = jax_ep.nn.MoE(H, 64, num_experts=E, topk=K, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(layer)
+
+        def loss(params, x):
+            out = nnx.merge(graphdef, params)(x)
+            return jnp.sum(out.out**2) + out.aux_loss
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+    for got, want in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads(None)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_moe_remat_is_checked():
+    mesh = cpu_mesh((2,), ("ep",))
+    kw = dict(num_experts=E, topk=K, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="remat must be one of"):
+        jax_ep.nn.MoE(H, 64, remat="some", **kw)
+    with pytest.raises(ValueError, match="remat='handle'"):
+        jax_ep.nn.MoE(H, 64, remat="handle", overlap=True, shared_intermediate=32, **kw)
