@@ -67,10 +67,11 @@ def scan_fn(backend: str):
     import jax_ep
 
     def expert(d, scale):
-        """The scale on the rows of the data: the ragged tail of d.x and of combine's dy is unspecified, so a
-        parameter whose gradient sums over the rows must not see it."""
+        """The scale on the rows of the data. The ragged tails of d.x and of combine's dy may hold anything, NaN
+        included, so a parameter whose gradient sums over the rows must see neither: d.x is masked before the
+        product (0 * NaN is NaN) and the product after it (its cotangent is dy)."""
         held = (jnp.arange(d.x.shape[0]) < jnp.sum(d.group_sizes))[:, None]
-        return jnp.where(held, d.x * scale, 0).astype(d.x.dtype)
+        return jnp.where(held, jnp.where(held, d.x, 0) * scale, 0).astype(d.x.dtype)
 
     def rank_loss(scale, x, idx, w, m):
         if not SPLIT:
