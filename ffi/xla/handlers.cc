@@ -593,32 +593,27 @@ auto BindDispatch() {
       .Arg<F32Matrix>();             // topk_weights [T, K]
 }
 
-// Every execute handler takes its results as they come (.RemainingRets()) and finds each by its name in kTargets.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch,
-                              BindDispatch()
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
-                              {kCommandBuffers});
+// What ends every execute handler's binding: lax.axis_index of the EP axis, then the results as they come, each
+// found by its name in kTargets. A finish binds its start's output(s) before it: only its place in XLA's graph.
+template <typename Binding>
+auto WithAxisIndex(Binding binding) {
+  return std::move(binding).template Arg<I32Scalar>().RemainingRets();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchStart, jax_ep::DispatchStart,
-                              BindDispatch()
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::Dispatch, WithAxisIndex(BindDispatch()), {kCommandBuffers});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchStart, jax_ep::DispatchStart, WithAxisIndex(BindDispatch()),
                               {kCommandBuffers});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatchFinish, jax_ep::DispatchFinish,
-                              BindDispatch()
-                                  .Arg<I32Matrix>()  // the start's token_dest_pos
-                                  .Arg<I32Matrix>()  // the start's slot_dest
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+                              WithAxisIndex(BindDispatch()
+                                                .Arg<I32Matrix>()    // the start's token_dest_pos
+                                                .Arg<I32Matrix>()),  // the start's slot_dest
                               {kCommandBuffers});
 
 // The backward pass of combine's inputs, shared by the whole op and its two halves.
 auto BindCombineBackward() {
   return BindGroupCall()
       .Arg<ffi::AnyBuffer>()  // g [T, H]: the cotangent of combine's output
-      .Arg<ffi::AnyBuffer>()  // y [N, H]
+      .Arg<ffi::AnyBuffer>()  // y [N, H], or [N, 0] without weights (y is then not read)
       .Arg<F32Vector>()       // weights [N], or [0] for weight 1
       .Arg<I32Matrix>()       // token_dest_pos [T, R]
       .Arg<I32Cube>()         // recv_rows [R, T, K]
@@ -626,23 +621,12 @@ auto BindCombineBackward() {
       .Arg<I32Vector>();      // row_slot [N]
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackward, jax_ep::CombineBackward,
-                              BindCombineBackward()
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackward, jax_ep::CombineBackward, WithAxisIndex(BindCombineBackward()),
                               {kCommandBuffers});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardStart, jax_ep::CombineBackwardStart,
-                              BindCombineBackward()
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
-                              {kCommandBuffers});
-
+                              WithAxisIndex(BindCombineBackward()), {kCommandBuffers});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBackwardFinish, jax_ep::CombineBackwardFinish,
-                              BindCombineBackward()
-                                  .Arg<F32Vector>()  // the start's sent
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+                              WithAxisIndex(BindCombineBackward().Arg<F32Vector>()),  // the start's sent
                               {kCommandBuffers});
 
 // Combine's inputs after its attributes, shared by the whole op and its two halves.
@@ -659,25 +643,15 @@ auto WithCombineArgs(Binding binding) {
 
 // partial_f32: partial sums travel as float32, else in y's dtype. stage_own (the halves): the start stages this
 // rank's own partial sums, and the finish needs no y.
-auto BindSplitCombine() { return BindGroupCall().Attr<bool>("partial_f32").Attr<bool>("stage_own"); }
+auto BindSplitCombine() { return WithCombineArgs(BindGroupCall().Attr<bool>("partial_f32").Attr<bool>("stage_own")); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::Combine,
-                              WithCombineArgs(BindGroupCall().Attr<bool>("partial_f32"))
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+                              WithAxisIndex(WithCombineArgs(BindGroupCall().Attr<bool>("partial_f32"))),
                               {kCommandBuffers});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineStart, jax_ep::CombineStart,
-                              WithCombineArgs(BindSplitCombine())
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineStart, jax_ep::CombineStart, WithAxisIndex(BindSplitCombine()),
                               {kCommandBuffers});
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineFinish, jax_ep::CombineFinish,
-                              WithCombineArgs(BindSplitCombine())
-                                  .Arg<F32Vector>()  // the start's sent
-                                  .Arg<I32Scalar>()  // lax.axis_index of the EP axis
-                                  .RemainingRets(),
+                              WithAxisIndex(BindSplitCombine().Arg<F32Vector>()),  // the start's sent
                               {kCommandBuffers});
 
 extern "C" XLA_FFI_TypeId* JaxEpGroupStateTypeId() { return &jax_ep::GroupState::id; }

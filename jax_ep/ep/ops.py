@@ -265,7 +265,7 @@ def _route_fwd(config, topk_idx, topk_weights):
 
 
 def _route_bwd(config, handle, cotangent):
-    no_rows = jnp.zeros((config.num_rows, 0), jnp.float32)
+    no_rows = jax.lax.full_like(handle.row_slot, 0, jnp.float32, (config.num_rows, 0))  # varies as the handle
     backend = backends.module(config.backend)
     _, dtopk_weights = backend.combine(handle, no_rows, None, jnp.float32, cotangent.weights.reshape(-1))
     return None, dtopk_weights
@@ -298,8 +298,13 @@ def _combine(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Arra
     return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype)[0]
 
 
-def _combine_fwd(partial_dtype, y, handle, weights):
-    return _combine(partial_dtype, y, handle, weights), (y, handle, weights)
+def _saving_combine_inputs(op):
+    """The fwd rule of a combine op whose backward pass needs ``y``, the handle and the weights."""
+
+    def fwd(partial_dtype, y, handle, weights, *rest):
+        return op(partial_dtype, y, handle, weights, *rest), (y, handle, weights)
+
+    return fwd
 
 
 def _combine_bwd(partial_dtype, residuals, cotangent):
@@ -308,7 +313,7 @@ def _combine_bwd(partial_dtype, residuals, cotangent):
     return dy, None, dweights
 
 
-_combine.defvjp(_combine_fwd, _combine_bwd)
+_combine.defvjp(_saving_combine_inputs(_combine), _combine_bwd)
 
 
 def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, **kwargs: Any) -> PendingDispatch:
@@ -428,17 +433,13 @@ def _combine_start(partial_dtype: Any, y: jax.Array, handle: Handle, weights: ja
     return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype)
 
 
-def _combine_start_fwd(partial_dtype, y, handle, weights):
-    return _combine_start(partial_dtype, y, handle, weights), (y, handle, weights)
-
-
 def _combine_start_bwd(partial_dtype, residuals, dstarted):
     y, handle, weights = residuals
     dy, dweights = backends.module(handle.config.backend).combine_start_backward(handle, y, weights, dstarted)
     return dy, None, dweights
 
 
-_combine_start.defvjp(_combine_start_fwd, _combine_start_bwd)
+_combine_start.defvjp(_saving_combine_inputs(_combine_start), _combine_start_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -449,10 +450,6 @@ def _combine_finish(
     return backends.module(handle.config.backend).combine_finish(handle, rows, flat_weights, partial_dtype, started)
 
 
-def _combine_finish_fwd(partial_dtype, y, handle, weights, started):
-    return _combine_finish(partial_dtype, y, handle, weights, started), (y, handle, weights)
-
-
 def _combine_finish_bwd(partial_dtype, residuals, cotangent):
     y, handle, weights = residuals
     backend = backends.module(handle.config.backend)
@@ -460,4 +457,4 @@ def _combine_finish_bwd(partial_dtype, residuals, cotangent):
     return dy, None, dweights, dstarted
 
 
-_combine_finish.defvjp(_combine_finish_fwd, _combine_finish_bwd)
+_combine_finish.defvjp(_saving_combine_inputs(_combine_finish), _combine_finish_bwd)

@@ -292,11 +292,7 @@ def _combined(config: Config, like: jax.Array, hidden: int, dtype: Any, with_val
 
 
 def combine(
-    handle: Handle,
-    rows: jax.Array,
-    weights: jax.Array | None,
-    partial_dtype: jnp.dtype,
-    row_values: jax.Array | None = None,
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, row_values: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
     """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
     config = handle.config

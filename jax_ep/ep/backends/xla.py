@@ -110,11 +110,7 @@ def _rows_in_order(recv_rows: jax.Array) -> jax.Array:
 
 
 def combine(
-    handle: Handle,
-    rows: jax.Array,
-    weights: jax.Array | None,
-    partial_dtype: jnp.dtype,
-    row_values: jax.Array | None = None,
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, row_values: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
     """Weighted sum of layout rows ``rows [N, H]`` back onto tokens: ``[T, H]`` in ``rows.dtype``.
 

@@ -1,0 +1,203 @@
+"""The MoE layer's training step against its baselines, in one process on one GPU.
+
+python bench/moe_layer_baselines.py OUT.json [--experts 256 32] [--tokens 4096 --hidden 7168
+    --intermediate 2048 --topk 8] [--remat]
+
+Each row times one jitted step, the forward and backward pass w.r.t. x and every weight, in bfloat16 with
+gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared expert):
+
+* ``moe``: ``jax_ep.nn.MoE`` in an EP group of one GPU (backend cuda where the extension loads, else xla),
+  ragged layout, ``capacity=None``, softmax router;
+* ``dense``: the floor, a batched einsum of the same FLOPs: E experts of ``T*K/E`` rows each (gate, up,
+  SwiGLU, down), no routing;
+* ``sort_tokamax``: MaxText's sparse-matmul recipe, the same router, then argsort of the ``T*K`` slots by
+  expert, a gather, ``tokamax.ragged_dot`` for gate, up and down, and a weighted unsort; skipped with the
+  reason where tokamax does not import (``pip install ".[bench]"``);
+* ``sort_jax_ep``: the same recipe with ``jax_ep.grouped_matmul``.
+
+With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. Time per step: the median of
+5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
+(bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
+and ``sort_tokamax`` against ``moe``. TFLOP/s counts the experts' matmul FLOPs of a step (3 matmuls forward,
+6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_ep  # noqa: E402
+import jax_ep.nn  # noqa: E402
+from jax_ep.bench.record import provenance, write  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grouped_matmul import time_call  # noqa: E402
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--experts", type=int, nargs="+", default=[256, 32])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10, help="steps per timed batch")
+    parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
+    return parser.parse_args()
+
+
+def tokamax_ragged_dot():
+    """``tokamax.ragged_dot`` and "", or None and why it is missing."""
+    try:
+        import tokamax
+    except Exception as error:  # ImportError, or one of its own imports failing
+        return None, f"tokamax does not import: {type(error).__name__}: {error}"
+    return tokamax.ragged_dot, ""
+
+
+def swiglu(x, w_gate, w_in, w_out, matmul):
+    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_in), w_out)
+
+
+def router(x, w_router, topk):
+    probs = jax.nn.softmax(x.astype(jnp.float32) @ w_router, axis=-1)
+    return jax.lax.top_k(probs, topk)
+
+
+def sorted_recipe(ragged_dot, topk: int):
+    """MaxText's sparse recipe: sort the slots by expert, three ragged matmuls, weighted unsort."""
+
+    def layer(x, w_router, w_gate, w_in, w_out):
+        weights, idx = router(x, w_router, topk)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        rows = jnp.take(x, order // topk, axis=0)
+        sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+        y = swiglu(rows, w_gate, w_in, w_out, lambda a, w: ragged_dot(a, w, sizes))
+        unsorted = jnp.zeros_like(y).at[order].set(y).reshape(*idx.shape, -1)
+        return jnp.einsum("tkh,tk->th", unsorted, weights.astype(y.dtype))
+
+    return layer
+
+
+def dense_floor(x, w_gate, w_in, w_out):
+    """The experts' matmuls alone on E equal groups: ``x [E, T*K/E, H]``."""
+    return swiglu(x, w_gate, w_in, w_out, lambda a, w: jnp.einsum("erh,ehf->erf", a, w))
+
+
+def training_step(layer):
+    """jit(grad) of ``sum(layer(*args) * c)`` w.r.t. every argument but the last (``c``)."""
+
+    def loss(*args):
+        *inputs, c = args
+        return jnp.sum(layer(*inputs).astype(jnp.float32) * c)
+
+    return jax.jit(lambda *args: jax.grad(loss, argnums=tuple(range(len(args) - 1)))(*args))
+
+
+def weights(key, experts: int, hidden: int, intermediate: int):
+    keys = jax.random.split(key, 4)
+    w = lambda k, shape, fan: (jax.random.normal(k, shape) / np.sqrt(fan)).astype(jnp.bfloat16)  # noqa: E731
+    return (
+        (jax.random.normal(keys[0], (hidden, experts)) / np.sqrt(hidden)).astype(jnp.float32),
+        w(keys[1], (experts, hidden, intermediate), hidden),
+        w(keys[2], (experts, hidden, intermediate), hidden),
+        w(keys[3], (experts, intermediate, hidden), intermediate),
+    )
+
+
+def moe_step(mesh, args, experts: int, remat):
+    layer = jax_ep.nn.MoE(
+        args.hidden,
+        args.intermediate,
+        num_experts=experts,
+        topk=args.topk,
+        mesh=mesh,
+        param_dtype=jnp.bfloat16,
+        remat=remat,
+        rngs=nnx.Rngs(0),
+    )
+    graphdef, params = nnx.split(layer)
+
+    def loss(params, x, c):
+        out = nnx.merge(graphdef, params)(x)
+        return jnp.sum(out.out.astype(jnp.float32) * c) + 0.01 * out.aux_loss
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+
+
+def main() -> None:
+    args = parse_args()
+    device = jax.devices()[0]
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
+    backend = "cuda" if jax_ep.cuda_available() else "xla"
+    tokamax_dot, tokamax_missing = tokamax_ragged_dot()
+    t, h, f, k = args.tokens, args.hidden, args.intermediate, args.topk
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (t, h)).astype(jnp.bfloat16)
+    c = jax.random.normal(jax.random.key(1), (t, h))
+    flops = 9 * 2 * t * k * h * f
+    rows = []
+    for experts in args.experts:
+        w_router, w_gate, w_in, w_out = weights(jax.random.key(2), experts, h, f)
+        times = {}
+        if backend == "cuda":
+            jax_ep.initialize(mesh, "ep", num_tokens=t, hidden=h, topk=k, num_experts=experts, dtype=jnp.bfloat16)
+        try:
+            for remat in (None, "full", "handle", "rows") if args.remat else (None,):
+                step, params = moe_step(mesh, args, experts, remat)
+                times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
+        finally:
+            if backend == "cuda":
+                jax_ep.finalize()
+        per_expert = t * k // experts
+        xd = jax.random.normal(key, (experts, per_expert, h)).astype(jnp.bfloat16)
+        cd = jax.random.normal(jax.random.key(1), (experts, per_expert, h))
+        times["dense"] = time_call(training_step(dense_floor), (xd, w_gate, w_in, w_out, cd), args.iters)
+        recipe_args = (x, w_router, w_gate, w_in, w_out, c)
+        times["sort_jax_ep"] = time_call(
+            training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k)), recipe_args, args.iters
+        )
+        if tokamax_dot is not None:
+            times["sort_tokamax"] = time_call(training_step(sorted_recipe(tokamax_dot, k)), recipe_args, args.iters)
+        row = {
+            "experts": experts,
+            "ms": {name: 1e3 * s for name, s in times.items()},
+            "expert_tflops": {name: flops / s / 1e12 for name, s in times.items()},
+            "over_dense": {name: s / times["dense"] for name, s in times.items()},
+        }
+        if "sort_tokamax" in times:
+            row["tokamax_over_moe"] = times["sort_tokamax"] / times["moe"]
+        rows.append(row)
+    payload = {
+        **provenance("python bench/moe_layer_baselines.py " + " ".join(sys.argv[1:])),
+        "backend": backend,
+        "shape": {"tokens": t, "hidden": h, "intermediate": f, "topk": k, "dtype": "bfloat16"},
+        "tokamax": tokamax_missing or __import__("tokamax").__version__,
+        "rows": rows,
+    }
+    write(args.out, payload)
+    print(f"\nbackend {backend}, T={t} H={h} F={f} K={k} bf16; tokamax: {payload['tokamax']}")
+    print(f"{'E':>4} {'row':<18} {'ms':>8} {'TFLOP/s':>8} {'/dense':>7}")
+    for row in rows:
+        for name, ms in row["ms"].items():
+            tf, over = row["expert_tflops"][name], row["over_dense"][name]
+            print(f"{row['experts']:>4} {name:<18} {ms:8.2f} {tf:8.0f} {over:7.2f}")
+        if "tokamax_over_moe" in row:
+            print(f"{row['experts']:>4} sort_tokamax / moe = {row['tokamax_over_moe']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
