@@ -202,12 +202,15 @@ def choose_backend(requested: str, mesh: jax.sharding.Mesh, moe: dict, tokens_pe
 
     "cuda" needs GPUs and the CUDA extension; ``jax_ep.initialize`` then makes the EP groups along "ep",
     sized for the per-rank token shard (every call here, train and eval, has that many tokens per rank).
+    "auto" takes "xla" where "ep" has one device: nothing is exchanged there, and XLA's gathers beat the
+    kernels' copies (docs/performance.md).
     """
     on_gpus = mesh.devices.flat[0].platform == "gpu"
     if requested == "cuda" and not (on_gpus and jax_ep.cuda_available()):
         why = "no GPUs" if not on_gpus else "the jax_ep CUDA extension is not built"
         raise SystemExit(f"--backend cuda cannot run here: {why}")
-    if requested != "xla" and on_gpus and jax_ep.cuda_available():
+    alone = mesh.shape["ep"] == 1
+    if requested == "cuda" or (requested == "auto" and not alone and on_gpus and jax_ep.cuda_available()):
         jax_ep.initialize(
             mesh,
             "ep",
@@ -219,7 +222,8 @@ def choose_backend(requested: str, mesh: jax.sharding.Mesh, moe: dict, tokens_pe
         )
         return "cuda"
     if on_gpus and requested == "auto":
-        print("backend xla on GPUs: the jax_ep CUDA extension is not built")
+        why = "one device per EP group exchanges nothing" if alone else "the jax_ep CUDA extension is not built"
+        print(f"backend xla on GPUs: {why}")
     # No group for "ep": the layer's backend="auto" resolves to "xla" (said once above, not warned per trace).
     warnings.filterwarnings("ignore", message="jax_ep: backend='auto' uses 'xla'")
     return "xla"
