@@ -13,17 +13,9 @@ namespace jax_ep {
 
 namespace {
 
-struct CombineParams {
-  const void* y;
-  const float* weights;
-  const float* row_values;
-  const int32_t* axis_index;
-  const int32_t *recv_rows, *recv_counts, *token_dest_pos, *slot_dest;
-  int64_t num_tokens, hidden, topk;
+// The call, and what the launcher derives from it for the kernels.
+struct CombineParams : CombineCall {
   int width;  // elements a lane handles at once: CombineWide when the hidden size allows, else 1
-  void* out;
-  float* slot_values;
-  float* sent;
   CombineRegion region;
   int send_pieces, recv_pieces;
   bool do_send, do_receive;
@@ -228,21 +220,7 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
                                    std::to_string(c.topk));
   }
   const int64_t item = c.type == FloatType::kF32 || c.partial_f32 ? 4 : 2;
-  CombineParams p{};
-  p.y = c.y;
-  p.weights = c.weights;
-  p.row_values = c.row_values;
-  p.axis_index = c.axis_index;
-  p.recv_rows = c.recv_rows;
-  p.recv_counts = c.recv_counts;
-  p.token_dest_pos = c.token_dest_pos;
-  p.slot_dest = c.slot_dest;
-  p.num_tokens = c.num_tokens;
-  p.hidden = c.hidden;
-  p.topk = c.topk;
-  p.out = c.out;
-  p.slot_values = c.slot_values;
-  p.sent = c.sent;
+  CombineParams p{c};
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;

@@ -11,18 +11,11 @@ namespace jax_ep {
 
 namespace {
 
-struct BackwardParams {
-  const char* g;
-  const void* y;
-  const float* weights;  // null: weight 1, and no dweights
-  const int32_t* axis_index;
-  const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
-  int64_t num_tokens, hidden, topk, num_rows, row_bytes;
+// The call, and what the launcher derives from it for the kernels.
+struct BackwardParams : CombineBackwardCall {
+  int64_t row_bytes;
   int width;  // elements a lane handles at once: 16 bytes of y's type when the hidden size allows, else 1
   int32_t steps;  // SumSteps(hidden, width)
-  void* dy;
-  float* dweights;
-  float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces;  // recv_pieces divides kSumWarps
   Divisor fill_pieces;               // pieces of the rows whose dy is zeroed (FillPieces)
@@ -200,7 +193,8 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
         const int32_t pos = p.token_dest_pos[up.token * R + up.dest];
         if (pos < 0) continue;
-        StoreTokenPiece(g, call, p.region, p.g, p.row_bytes, up.token, up.dest, pos, p.send_pieces, up.piece, lane);
+        StoreTokenPiece(g, call, p.region, static_cast<const char*>(p.g), p.row_bytes, up.token, up.dest, pos,
+                        p.send_pieces, up.piece, lane);
       }
     });
   }
@@ -247,7 +241,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
         const int32_t pos = p.token_dest_pos[i * R + me];
         if (pos >= 0) {
           rows_by_k = p.recv_rows + (me * T + pos) * K;
-          src = p.g + i * p.row_bytes;
+          src = static_cast<const char*>(p.g) + i * p.row_bytes;
         }
       } else if (i < p.recv_counts[source]) {
         rows_by_k = p.recv_rows + (source * T + i) * K;
@@ -324,23 +318,9 @@ Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, c
                                    std::to_string(c.topk));
   }
   const int64_t item = c.type == FloatType::kF32 ? 4 : 2;
-  BackwardParams p{};
-  p.g = static_cast<const char*>(c.g);
-  p.y = c.y;
-  p.weights = c.weights;
-  p.axis_index = c.axis_index;
-  p.token_dest_pos = c.token_dest_pos;
-  p.recv_rows = c.recv_rows;
-  p.recv_counts = c.recv_counts;
-  p.row_slot = c.row_slot;
-  p.num_tokens = c.num_tokens;
-  p.hidden = c.hidden;
-  p.topk = c.topk;
-  p.num_rows = c.num_rows;
+  BackwardParams p{c};
   p.row_bytes = c.hidden * item;
-  p.dy = c.dy;
-  p.dweights = c.weights == nullptr ? nullptr : c.dweights;
-  p.sent = c.sent;
+  if (c.weights == nullptr) p.dweights = nullptr;
   p.region = DispatchRegion(c.num_tokens, c.topk, 0, p.row_bytes);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;

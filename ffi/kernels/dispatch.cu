@@ -23,20 +23,10 @@ struct StagedSlot {
   float weight;
 };
 
-struct DispatchParams {
-  const char* x;
-  const int32_t* axis_index;
-  int64_t num_tokens, row_bytes, topk, num_rows;
-  const int32_t* topk_idx;
-  const float* topk_weights;
-  int64_t num_experts, local_experts, capacity;
-  bool expert_layout;
+// The call, and what the launcher derives from it for the kernels.
+struct DispatchParams : DispatchCall {
+  int64_t local_experts;
   RoutingScratch s;
-  char* out_x;
-  float* weights;
-  int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
-      *recv_counts, *row_slot;
-  float* sent;
   DispatchRegion region;
   Divisor send_pieces, recv_pieces, ranks, peers, tokens, align, experts_per_rank;
   Divisor fill_pieces;  // pieces of the rows that FillRows zeroes (FillPieces)
@@ -83,7 +73,7 @@ __device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
 __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
   const int64_t T = p.num_tokens, K = p.topk, R = num_ranks;
   Poison(p.out_x, p.num_rows * p.row_bytes);
-  Poison(p.weights, p.num_rows * 4);
+  Poison(p.out_weights, p.num_rows * 4);
   Poison(p.group_sizes, p.local_experts * 4);
   Poison(p.num_dropped, 4);
   Poison(p.num_invalid, 4);
@@ -217,7 +207,7 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
         const int64_t id = (source * T + i) * K + k;
         p.recv_rows[id] = row;
         if (row >= 0) {
-          p.weights[row] = s.weight;
+          p.out_weights[row] = s.weight;
           p.row_slot[row] = static_cast<int32_t>(id);
         }
       }
@@ -255,7 +245,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
     }
   }
   if (empty && piece == 0) {
-    p.weights[n] = 0.0f;
+    p.out_weights[n] = 0.0f;
     p.row_slot[n] = padding ? kNoSlot : kPastData;
   }
   int64_t begin, end;
@@ -428,34 +418,11 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
     return Status::InvalidArgument("the layout has " + std::to_string(c.num_rows) + " rows, more than the " +
                                    std::to_string(kMaxItems) + " the kernels index");
   }
-  DispatchParams p{};
-  p.x = c.x;
-  p.axis_index = c.axis_index;
-  p.num_tokens = c.num_tokens;
-  p.row_bytes = c.row_bytes;
-  p.topk = c.topk;
-  p.num_rows = c.num_rows;
-  p.topk_idx = c.topk_idx;
-  p.topk_weights = c.topk_weights;
-  p.num_experts = c.num_experts;
+  DispatchParams p{c};
   p.local_experts = c.num_experts / R;
-  p.capacity = c.capacity;
   p.align = Divisor(c.alignment);
   p.experts_per_rank = Divisor(p.local_experts);
-  p.expert_layout = c.expert_layout;
   p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
-  p.out_x = c.out_x;
-  p.weights = c.out_weights;
-  p.group_sizes = c.group_sizes;
-  p.num_dropped = c.num_dropped;
-  p.num_invalid = c.num_invalid;
-  p.token_dest_pos = c.token_dest_pos;
-  p.send_counts = c.send_counts;
-  p.slot_dest = c.slot_dest;
-  p.recv_rows = c.recv_rows;
-  p.recv_counts = c.recv_counts;
-  p.row_slot = c.row_slot;
-  p.sent = c.sent;
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
   const size_t tables = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
   if (tables > static_cast<size_t>(kTableSharedBytes)) {
