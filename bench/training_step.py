@@ -20,8 +20,8 @@ def loss(backend: str):
 
     def f(x, w, scale, idx, c):
         d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
-        h = d.x.astype(jnp.float32)
-        held = (jnp.arange(h.shape[0]) < jnp.sum(d.group_sizes))[:, None]  # rows past them are unspecified
+        held = (jnp.arange(d.x.shape[0]) < jnp.sum(d.group_sizes))[:, None]  # rows past them hold anything
+        h = jnp.where(held, d.x, 0).astype(jnp.float32)  # masked before the product too: 0 * NaN is NaN
         y = jnp.where(held, h * scale[0] + 0.0625 * h * h, 0.0).astype(d.x.dtype)  # the elementwise "expert"
         out = jax_ep.combine(y, d.handle, weights=d.weights)
         return jnp.sum(out.astype(jnp.float32) * c)

@@ -80,8 +80,8 @@ def _step(backend: str, reduce_axis: str):
     def body(x, idx, w, scale, g, i):
         def loss(x, scale):
             d = jax_ep.dispatch(x, (idx + i) % EXPERTS, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
-            h = d.x.astype(jnp.float32)
-            held = (jnp.arange(h.shape[0]) < jnp.sum(d.group_sizes))[:, None]  # rows past them are unspecified
+            held = (jnp.arange(d.x.shape[0]) < jnp.sum(d.group_sizes))[:, None]  # rows past them hold anything
+            h = jnp.where(held, d.x, 0).astype(jnp.float32)  # masked before the product too: 0 * NaN is NaN
             y = jnp.where(held, jnp.tanh(h * scale[0]), 0.0).astype(d.x.dtype)
             out = jax_ep.combine(y, d.handle, weights=d.weights)
             return jnp.sum(out.astype(jnp.float32) ** 2), out
