@@ -87,14 +87,12 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombine);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, H = p.hidden, K = p.topk;
   const Y* y = static_cast<const Y*>(p.y);
-  int32_t* rows = held_rows[warp];
-  float* weights = held_weights[warp];
+  int32_t* rows = held_rows[at.warp];
+  float* weights = held_weights[at.warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
   const uint32_t arrival = p.do_receive ? ArriveCall(g) : 0;
@@ -104,26 +102,26 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     const int64_t sources = kStageOwn ? R : R - 1;
     SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
       if (!may_run) return;
-      for (int64_t item = static_cast<int64_t>(share) * kWarps + warp; item < sources * T * p.send_pieces;
-           item += warps) {
+      for (int64_t item = static_cast<int64_t>(share) * kWarps + at.warp; item < sources * T * p.send_pieces;
+           item += at.stride) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
         const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
         const int source = static_cast<int>(kStageOwn || peer_index < me ? peer_index : peer_index + 1);
         if (i >= p.recv_counts[source]) continue;
         const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
-        const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, lane);
+        const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, at.lane);
         char* region = RegionAt(g, call, source, p.region.bytes);
         P* dst = reinterpret_cast<P*>(region + p.region.rows + i * p.region.stride);
         int64_t begin, end;
         PieceElements(H, p.width, p.send_pieces, up.piece, &begin, &end);
-        for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
+        for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
           float acc[kWide];
           PartialSum(y, H, rows, weights, count, e, p.width, acc);
           StoreValues<P, kWide>(dst + e, acc, p.width);
         }
         if (up.piece == 0 && p.row_values != nullptr) {
           float* values = reinterpret_cast<float*>(region + p.region.values) + i * K;
-          for (int64_t k = lane; k < K; k += 32) values[k] = rows_by_k[k] >= 0 ? p.row_values[rows_by_k[k]] : 0.0f;
+          for (int64_t k = at.lane; k < K; k += 32) values[k] = rows_by_k[k] >= 0 ? p.row_values[rows_by_k[k]] : 0.0f;
         }
         __syncwarp();
       }
@@ -139,17 +137,17 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   }
 
   Y* out = static_cast<Y*>(p.out);
-  for (int64_t item = first_warp; item < T * p.recv_pieces; item += warps) {
+  for (int64_t item = at.first; item < T * p.recv_pieces; item += at.stride) {
     const UnitPiece up = SplitItem(item, p.recv_pieces);
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
     const int32_t own_pos = dest_pos[me];
     const int count = own_pos < 0 || kStageOwn
                           ? 0
-                          : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, lane);
+                          : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, at.lane);
     int64_t begin, end;
     PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
-    for (int64_t e = begin + lane * p.width; e < end; e += 32 * p.width) {
+    for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
       float total[kWide] = {};
       for (int d = 0; d < R; ++d) {
         const int32_t pos = dest_pos[d];
@@ -170,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
       StoreValues<Y, kWide>(out + t * H + e, total, p.width);
     }
     if (up.piece == 0 && p.slot_values != nullptr) {
-      for (int64_t k = lane; k < K; k += 32) {
+      for (int64_t k = at.lane; k < K; k += 32) {
         const int32_t d = p.slot_dest[t * K + k];
         float value = 0.0f;
         if (d >= 0 && dest_pos[d] >= 0) {

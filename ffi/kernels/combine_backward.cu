@@ -167,9 +167,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   __shared__ float held_weights[kSumWarps][kMaxTopk];
   __shared__ float dots[kSumWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombineBackward);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kSumWarps + warp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kSumWarps;
+  const GridWarp<kSumWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
@@ -177,8 +175,8 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   // call check, so that the two loads overlap.
   const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
   int32_t first_slot = 0;
-  if (p.do_receive && first_warp < fill_items) {
-    const int64_t n = static_cast<int64_t>(SplitItem(first_warp, p.fill_pieces).unit) * 32 + lane;
+  if (p.do_receive && at.first < fill_items) {
+    const int64_t n = static_cast<int64_t>(SplitItem(at.first, p.fill_pieces).unit) * 32 + at.lane;
     if (n < p.num_rows) first_slot = p.row_slot[n];
   }
   const bool may_run = CallMayRun(g, call, p.axis_index, phase);
@@ -188,13 +186,13 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
     SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
       if (!may_run) return;
-      for (int64_t item = static_cast<int64_t>(share) * kSumWarps + warp; item < T * (R - 1) * p.send_pieces.value;
-           item += warps) {
+      for (int64_t item = static_cast<int64_t>(share) * kSumWarps + at.warp; item < T * (R - 1) * p.send_pieces.value;
+           item += at.stride) {
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
         const int32_t pos = p.token_dest_pos[up.token * R + up.dest];
         if (pos < 0) continue;
         StoreTokenPiece(g, call, p.region, static_cast<const char*>(p.g), p.row_bytes, up.token, up.dest, pos,
-                        p.send_pieces, up.piece, lane);
+                        p.send_pieces, up.piece, at.lane);
       }
     });
   }
@@ -211,24 +209,24 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
   // Before the receive loop: after it, this loop's values made ptxas spill that loop's registers.
   const bool with_dots = p.dweights != nullptr;
-  for (int64_t item = first_warp; item < fill_items; item += warps) {
+  for (int64_t item = at.first; item < fill_items; item += at.stride) {
     const UnitPiece up = SplitItem(item, p.fill_pieces);
-    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + lane;
-    const int32_t slot = item == first_warp ? first_slot : (n < p.num_rows ? p.row_slot[n] : 0);
+    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + at.lane;
+    const int32_t slot = item == at.first ? first_slot : (n < p.num_rows ? p.row_slot[n] : 0);
     if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
     int64_t begin, end;
     PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
     for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
-      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
+      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, at.lane);
     }
   }
 
   // Every block runs the same rounds (the pieces of a token meet at __syncthreads to add their dots).
   const Divisor& pieces = p.recv_pieces;
   const int64_t items = R * T * pieces.value;
-  float* my_dots = with_dots ? dots[warp] : nullptr;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += warps) {
-    const int64_t item = base + warp;
+  float* my_dots = with_dots ? dots[at.warp] : nullptr;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += at.stride) {
+    const int64_t item = base + at.warp;
     int count = 0, piece = 0;
     if (item < items) {
       const UnitPiece up = SplitItem(item, pieces);
@@ -249,24 +247,24 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
       }
       if (rows_by_k != nullptr) {
         PendingWeight pending;
-        count = HeldRows(rows_by_k, K, p.weights, held_rows[warp], held_weights[warp], pending, lane);
+        count = HeldRows(rows_by_k, K, p.weights, held_rows[at.warp], held_weights[at.warp], pending, at.lane);
         if (with_dots) {
-          for (int j = lane; j < count; j += 32) my_dots[j] = 0.0f;
+          for (int j = at.lane; j < count; j += 32) my_dots[j] = 0.0f;
           __syncwarp();
         }
         int64_t begin, end;
         PieceElements(H, p.width, p.steps, pieces, piece, &begin, &end);
-        BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[warp], held_weights[warp], pending, count,
-                         begin, end, my_dots, lane);
+        BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[at.warp], held_weights[at.warp], pending, count,
+                         begin, end, my_dots, at.lane);
       }
     }
     if (with_dots) {
       __syncthreads();
       if (count > 0 && piece == 0) {  // warps warp .. warp + pieces - 1 hold this token's parts, in piece order
-        for (int j = lane; j < count; j += 32) {
+        for (int j = at.lane; j < count; j += 32) {
           float total = 0.0f;
-          for (int w = 0; w < pieces.value; ++w) total += dots[warp + w][j];
-          p.dweights[held_rows[warp][j]] = total;
+          for (int w = 0; w < pieces.value; ++w) total += dots[at.warp + w][j];
+          p.dweights[held_rows[at.warp][j]] = total;
         }
       }
       __syncthreads();

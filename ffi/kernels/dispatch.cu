@@ -294,14 +294,12 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
   const Call call = CurrentCall(g, kOpDispatch);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
   int32_t* own_scratch = reinterpret_cast<int32_t*>(shared_words);
   const int32_t* scratch = kRoute ? own_scratch : g.scratch;
-  int32_t* held = held_rows[warp];
+  int32_t* held = held_rows[at.warp];
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
   const bool may_run =
       kRoute ? RouteAndCheck(p, g, call, phase, shared_words + p.scratch_words, own_scratch)
@@ -313,31 +311,32 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
     if (!may_run && phase == Phase::kStart) PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
     SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
       if (!may_run) return;
-      const int64_t first = static_cast<int64_t>(share) * kWarps + warp;
-      for (int64_t i = first * 32 + lane; p.s.chunks > 1 && i < T * R; i += warps * 32) {  // else routing wrote them
+      const int64_t first = static_cast<int64_t>(share) * kWarps + at.warp;
+      // With one chunk the routing wrote them.
+      for (int64_t i = first * 32 + at.lane; p.s.chunks > 1 && i < T * R; i += at.stride * 32) {
         const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
         p.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
       }
-      for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += warps) {
+      for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += at.stride) {
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
         const int32_t t = up.token, dest = up.dest;
         const int32_t pos = TokenPos(p, scratch, R, t, dest);
         if (pos < 0) continue;
-        StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, lane);
+        StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, at.lane);
         if (up.piece == 0) {
           char* region = RegionAt(g, call, dest, p.region.bytes);
           StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
-          for (int64_t k = lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
+          for (int64_t k = at.lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
         }
       }
-      if (share == 0 && warp == 0) {  // this rank's counts for each peer's local experts
+      if (share == 0 && at.warp == 0) {  // this rank's counts for each peer's local experts
         for (int dest = 0; dest < R; ++dest) {
           if (dest == me) continue;
           int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
-          for (int64_t l = lane; l < p.local_experts; l += 32) {
+          for (int64_t l = at.lane; l < p.local_experts; l += 32) {
             counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
           }
-          if (lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
+          if (at.lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
         }
       }
     });
@@ -353,31 +352,31 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t L = p.local_experts;
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
-  if (blockIdx.x == 0 && warp == 0) WriteCounts(p, g, scratch, tables, lane);
+  if (blockIdx.x == 0 && at.warp == 0) WriteCounts(p, g, scratch, tables, at.lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
   const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
-  for (int64_t item = first_warp; item < token_items + fill_items; item += warps) {
+  for (int64_t item = at.first; item < token_items + fill_items; item += at.stride) {
     if (item >= token_items) {
       const UnitPiece up = SplitItem(item - token_items, p.fill_pieces);
-      FillRows(p, tables, up.unit * 32, up.piece, lane);
+      FillRows(p, tables, up.unit * 32, up.piece, at.lane);
       continue;
     }
     const UnitPiece up = SplitItem(item, p.recv_pieces);
     const int source = p.tokens.Divide(up.unit);
     const int32_t i = up.unit - source * static_cast<int32_t>(T);
     if (up.piece == 0 && i >= recv_count[source]) {
-      for (int64_t k = lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
+      for (int64_t k = at.lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
     }
     if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
       // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
       const int32_t pos = TokenPos(p, scratch, R, i, me);
       auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
-      Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, lane);
+      Expand<false>(p, tables, me, pos, slot, p.x + i * p.row_bytes, up.piece, held, at.lane);
     } else if (i < recv_count[source]) {
       const char* region = RegionFrom(g, call, source, p.region.bytes);
       const StagedSlot* slots = reinterpret_cast<const StagedSlot*>(region + p.region.meta) + i * K;
       auto slot = [&](int64_t k) { return LoadStagedSlot(slots + k, p.local_experts); };
-      Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, lane);
+      Expand<true>(p, tables, source, i, slot, region + p.region.rows + i * p.region.stride, up.piece, held, at.lane);
     }
   }
   FinishCall(g, call, arrival);

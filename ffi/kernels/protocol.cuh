@@ -63,6 +63,19 @@ struct Call {
   int op;
 };
 
+// A thread's place in a kernel whose blocks of kBlockWarps warps share items: its lane, its warp in the block, its
+// warp's first item and the stride between the warp's items.
+template <int kBlockWarps>
+struct GridWarp {
+  int lane, warp;
+  int64_t first, stride;
+  __device__ GridWarp()
+      : lane(static_cast<int>(threadIdx.x % 32)),
+        warp(static_cast<int>(threadIdx.x / 32)),
+        first(static_cast<int64_t>(blockIdx.x) * kBlockWarps + threadIdx.x / 32),
+        stride(static_cast<int64_t>(gridDim.x) * kBlockWarps) {}
+};
+
 __device__ inline Call CurrentCall(const GroupView& g, int op) {
   const uint64_t number = Volatile(&g.signals->calls) + 1;
   return Call{number, static_cast<int>(number & 1), (number << 8) | static_cast<uint64_t>(op), op};
