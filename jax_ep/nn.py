@@ -19,17 +19,17 @@ from jax.sharding import PartitionSpec as P
 
 from ._validate import check_choice, check_positive_int
 from .ep.fp8 import check_wire_dtype
-from .ep.ops import combine, dispatch, dispatch_finish, dispatch_start
+from .ep.ops import HANDLE, ROWS, combine, dispatch, dispatch_finish, dispatch_start
 from .ep.types import LAYOUTS
 from .gmm.grouped_matmul import grouped_matmul
 
 ROUTERS = ("softmax", "sigmoid")
-# MoE's remat choices and the jax.checkpoint policy of each (names from jax_ep.dispatch).
+# MoE's remat choices and the jax.checkpoint policy of each (over the names jax_ep.dispatch gives its outputs).
 REMATS = {
     None: None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "handle": jax.checkpoint_policies.save_only_these_names("jax_ep_handle"),
-    "rows": jax.checkpoint_policies.save_only_these_names("jax_ep_handle", "jax_ep_rows"),
+    "handle": jax.checkpoint_policies.save_only_these_names(HANDLE),
+    "rows": jax.checkpoint_policies.save_only_these_names(HANDLE, ROWS),
 }
 
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
