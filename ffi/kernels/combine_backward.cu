@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   const Call call = CurrentCall(g, kOpCombineBackward);
   const GridWarp<kSumWarps> at;
   const int R = g.num_ranks, me = g.rank;
-  const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
+  const int64_t T = p.num_tokens, K = p.topk, H = p.hidden;
   // The warp's first item of the empty-row loop below reads row_slot (an input, which no peer writes) before the
   // call check, so that the two loads overlap.
   const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;

@@ -113,6 +113,20 @@ ffi::ErrorOr<FloatType> TypeOf(const char* op, ffi::DataType type) {
   return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(op) + ": rows must be float32, bfloat16 or float16"));
 }
 
+// A combine-side call's GPU (FindDevice) and the float type of its rows, whose dtype is `rows`.
+struct RowsDevice {
+  std::shared_ptr<const DeviceResources> device;
+  FloatType type;
+};
+
+ffi::ErrorOr<RowsDevice> FindRowsDevice(const char* op, int32_t ordinal, const GroupState* state, ffi::DataType rows) {
+  auto device = FindDevice(op, ordinal, state);
+  if (device.has_error()) return ffi::Unexpected(device.error());
+  auto type = TypeOf(op, rows);
+  if (type.has_error()) return ffi::Unexpected(type.error());
+  return RowsDevice{*device, *type};
+}
+
 #define JAX_EP_RETURN_IF_ERROR(expr)   \
   do {                                 \
     ffi::Error error_ = (expr);        \
@@ -301,31 +315,16 @@ ffi::Error RunDispatch(const Target& target, cudaStream_t stream, int32_t ordina
                                 "[T, R=" + Str(R) + "] (R: the group's size)", DimsOf(out.token_dest_pos)));
   JAX_EP_RETURN_IF_ERROR(Expect(op, "recv_rows", Holds(out.recv_rows, R * T * K), "[R, T, K]", DimsOf(out.recv_rows)));
   JAX_EP_RETURN_IF_ERROR(Expect(op, "row_slot", Holds(out.row_slot, N), "[N]", DimsOf(out.row_slot)));
-  DispatchCall call{};
-  call.x = static_cast<const char*>(x.untyped_data());
-  call.topk_idx = topk_idx.typed_data();
-  call.topk_weights = topk_weights.typed_data();
-  call.axis_index = axis_index.typed_data();
-  call.num_tokens = T;
-  call.row_bytes = row_bytes;
-  call.topk = K;
-  call.num_experts = num_experts;
-  call.capacity = capacity;
-  call.alignment = alignment;
-  call.num_rows = N;
-  call.expert_layout = expert_layout;
-  call.out_x = out.x ? static_cast<char*>(out.x->untyped_data()) : nullptr;
-  call.out_weights = DataOf(out.weights);
-  call.group_sizes = DataOf(out.group_sizes);
-  call.num_dropped = DataOf(out.num_dropped);
-  call.num_invalid = DataOf(out.num_invalid);
-  call.token_dest_pos = DataOf(out.token_dest_pos);
-  call.send_counts = DataOf(out.send_counts);
-  call.slot_dest = DataOf(out.slot_dest);
-  call.recv_rows = DataOf(out.recv_rows);
-  call.recv_counts = DataOf(out.recv_counts);
-  call.row_slot = DataOf(out.row_slot);
-  call.sent = DataOf(out.sent);
+  const DispatchCall call{
+      .x = static_cast<const char*>(x.untyped_data()), .topk_idx = topk_idx.typed_data(),
+      .topk_weights = topk_weights.typed_data(), .axis_index = axis_index.typed_data(),
+      .num_tokens = T, .row_bytes = row_bytes, .topk = K, .num_experts = num_experts, .capacity = capacity,
+      .alignment = alignment, .num_rows = N, .expert_layout = expert_layout,
+      .out_x = out.x ? static_cast<char*>(out.x->untyped_data()) : nullptr, .out_weights = DataOf(out.weights),
+      .group_sizes = DataOf(out.group_sizes), .num_dropped = DataOf(out.num_dropped),
+      .num_invalid = DataOf(out.num_invalid), .token_dest_pos = DataOf(out.token_dest_pos),
+      .send_counts = DataOf(out.send_counts), .slot_dest = DataOf(out.slot_dest), .recv_rows = DataOf(out.recv_rows),
+      .recv_counts = DataOf(out.recv_counts), .row_slot = DataOf(out.row_slot), .sent = DataOf(out.sent)};
   return ToFfi(op, LaunchDispatch(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
 }
 
@@ -361,11 +360,10 @@ ffi::Error RunCombineBackward(const Target& target, cudaStream_t stream, int32_t
   const std::optional<ffi::AnyBuffer>& dy = outputs->dy;
   const std::optional<F32Vector>& dweights = outputs->dweights;
   const std::optional<F32Vector>& sent = outputs->sent;
-  auto device = FindDevice(kOp, ordinal, state);
-  if (device.has_error()) return device.error();
-  auto type = TypeOf(kOp, y.element_type());
-  if (type.has_error()) return type.error();
-  const int64_t R = (*device)->num_ranks;
+  const auto found = FindRowsDevice(kOp, ordinal, state, y.element_type());
+  if (found.has_error()) return found.error();
+  const auto& [device, type] = *found;
+  const int64_t R = device->num_ranks;
   const auto g_dims = g.dimensions(), y_dims = y.dimensions(), rows_dims = recv_rows.dimensions();
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the cotangent", g_dims.size() == 2 && g.element_type() == y.element_type(),
                                 "[T, H] of y's dtype", Dims(g_dims)));
@@ -391,24 +389,14 @@ ffi::Error RunCombineBackward(const Target& target, cudaStream_t stream, int32_t
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "dweights", Holds(dweights, has_weights ? N : 0),
                                 has_weights ? "[N]" : "[0] without weights", DimsOf(dweights)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
-  CombineBackwardCall call{};
-  call.g = g.untyped_data();
-  call.y = y.untyped_data();
-  call.weights = has_weights ? weights.typed_data() : nullptr;
-  call.axis_index = axis_index.typed_data();
-  call.token_dest_pos = token_dest_pos.typed_data();
-  call.recv_rows = recv_rows.typed_data();
-  call.recv_counts = recv_counts.typed_data();
-  call.row_slot = row_slot.typed_data();
-  call.num_tokens = T;
-  call.hidden = H;
-  call.topk = rows_dims[2];
-  call.num_rows = N;
-  call.type = *type;
-  call.dy = dy ? dy->untyped_data() : nullptr;
-  call.dweights = has_weights ? DataOf(dweights) : nullptr;
-  call.sent = DataOf(sent);
-  return ToFfi(kOp, LaunchCombineBackward(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
+  const CombineBackwardCall call{
+      .g = g.untyped_data(), .y = y.untyped_data(), .weights = has_weights ? weights.typed_data() : nullptr,
+      .axis_index = axis_index.typed_data(), .token_dest_pos = token_dest_pos.typed_data(),
+      .recv_rows = recv_rows.typed_data(), .recv_counts = recv_counts.typed_data(), .row_slot = row_slot.typed_data(),
+      .num_tokens = T, .hidden = H, .topk = rows_dims[2], .num_rows = N, .type = type,
+      .dy = dy ? dy->untyped_data() : nullptr, .dweights = has_weights ? DataOf(dweights) : nullptr,
+      .sent = DataOf(sent)};
+  return ToFfi(kOp, LaunchCombineBackward(call, device->View(), SwapFor(device, stream), stream, phase));
 }
 
 ffi::Error CombineBackward(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, ffi::AnyBuffer g,
@@ -435,26 +423,6 @@ ffi::Error CombineBackwardFinish(cudaStream_t stream, int32_t ordinal, GroupStat
                             recv_rows, recv_counts, row_slot, axis_index, rets, Phase::kFinish);
 }
 
-// The part of a combine call that every phase fills: where the tokens went, the shapes, and the outputs (null
-// in a start).
-CombineCall CombineCallOf(I32Scalar axis_index, I32Matrix token_dest_pos, I32Matrix slot_dest, int64_t num_tokens,
-                          int64_t hidden, int64_t topk, FloatType type, bool partial_f32, bool stage_own, void* out,
-                          float* slot_values) {
-  CombineCall call{};
-  call.axis_index = axis_index.typed_data();
-  call.token_dest_pos = token_dest_pos.typed_data();
-  call.slot_dest = slot_dest.typed_data();
-  call.num_tokens = num_tokens;
-  call.hidden = hidden;
-  call.topk = topk;
-  call.type = type;
-  call.partial_f32 = partial_f32;
-  call.stage_own = stage_own;
-  call.out = out;
-  call.slot_values = slot_values;
-  return call;
-}
-
 ffi::Error RunCombine(const Target& target, cudaStream_t stream, int32_t ordinal, GroupState* state, bool partial_f32,
                       ffi::AnyBuffer y, F32Vector weights, F32Vector row_values, I32Cube recv_rows,
                       I32Vector recv_counts, I32Matrix token_dest_pos, I32Matrix slot_dest, I32Scalar axis_index,
@@ -465,11 +433,10 @@ ffi::Error RunCombine(const Target& target, cudaStream_t stream, int32_t ordinal
   const std::optional<ffi::AnyBuffer>& out = outputs->out;
   const std::optional<ffi::AnyBuffer>& slot_values = outputs->slot_values;
   const std::optional<F32Vector>& sent = outputs->sent;
-  auto device = FindDevice(kOp, ordinal, state);
-  if (device.has_error()) return device.error();
-  auto type = TypeOf(kOp, y.element_type());
-  if (type.has_error()) return type.error();
-  const int64_t R = (*device)->num_ranks;
+  const auto found = FindRowsDevice(kOp, ordinal, state, y.element_type());
+  if (found.has_error()) return found.error();
+  const auto& [device, type] = *found;
+  const int64_t R = device->num_ranks;
   const auto y_dims = y.dimensions();
   const auto rows_dims = recv_rows.dimensions();
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "y", y_dims.size() == 2, "[N, H]", Dims(y_dims)));
@@ -495,16 +462,15 @@ ffi::Error RunCombine(const Target& target, cudaStream_t stream, int32_t ordinal
                                 "[T, K] with row_values", DimsOf(slot_values)));
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "the start's output", Holds(sent, 1), "[1]", DimsOf(sent)));
   const bool write_values = has_values && slot_values;
-  CombineCall call = CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, stage_own,
-                                   out ? out->untyped_data() : nullptr,
-                                   write_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr);
-  call.y = y.untyped_data();
-  call.weights = has_weights ? weights.typed_data() : nullptr;
-  call.row_values = has_values ? row_values.typed_data() : nullptr;
-  call.recv_rows = recv_rows.typed_data();
-  call.recv_counts = recv_counts.typed_data();
-  call.sent = DataOf(sent);
-  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, phase));
+  const CombineCall call{
+      .y = y.untyped_data(), .weights = has_weights ? weights.typed_data() : nullptr,
+      .row_values = has_values ? row_values.typed_data() : nullptr, .axis_index = axis_index.typed_data(),
+      .recv_rows = recv_rows.typed_data(), .recv_counts = recv_counts.typed_data(),
+      .token_dest_pos = token_dest_pos.typed_data(), .slot_dest = slot_dest.typed_data(),
+      .num_tokens = T, .hidden = H, .topk = K, .type = type, .partial_f32 = partial_f32, .stage_own = stage_own,
+      .out = out ? out->untyped_data() : nullptr,
+      .slot_values = write_values ? static_cast<float*>(slot_values->untyped_data()) : nullptr, .sent = DataOf(sent)};
+  return ToFfi(kOp, LaunchCombine(call, device->View(), SwapFor(device, stream), stream, phase));
 }
 
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, GroupState* state, int64_t, bool partial_f32, ffi::AnyBuffer y,
@@ -543,11 +509,10 @@ ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state
   const auto outputs = OutputsOf<CombineOutputs>(target, rets);
   if (outputs.has_error()) return outputs.error();
   const ffi::AnyBuffer &out = *outputs->out, &slot_values = *outputs->slot_values;
-  auto device = FindDevice(kOp, ordinal, state);
-  if (device.has_error()) return device.error();
-  auto type = TypeOf(kOp, out.element_type());
-  if (type.has_error()) return type.error();
-  const int64_t R = (*device)->num_ranks;
+  const auto found = FindRowsDevice(kOp, ordinal, state, out.element_type());
+  if (found.has_error()) return found.error();
+  const auto& [device, type] = *found;
+  const int64_t R = device->num_ranks;
   const auto out_dims = out.dimensions(), pos_dims = token_dest_pos.dimensions();
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "out", out_dims.size() == 2, "[T, H]", Dims(out_dims)));
   const int64_t T = out_dims[0], H = out_dims[1], K = slot_dest.dimensions()[1];
@@ -558,10 +523,13 @@ ffi::Error CombineFinish(cudaStream_t stream, int32_t ordinal, GroupState* state
   const bool has_values = slot_values.element_count() != 0;
   JAX_EP_RETURN_IF_ERROR(Expect(kOp, "slot_values", !has_values || Holds(outputs->slot_values, T * K), "[T, K] or [0]",
                                 DimsOf(outputs->slot_values)));
-  const CombineCall call =
-      CombineCallOf(axis_index, token_dest_pos, slot_dest, T, H, K, *type, partial_f32, true, out.untyped_data(),
-                    has_values ? static_cast<float*>(slot_values.untyped_data()) : nullptr);
-  return ToFfi(kOp, LaunchCombine(call, (*device)->View(), SwapFor(*device, stream), stream, Phase::kFinish));
+  const CombineCall call{
+      .y = nullptr, .weights = nullptr, .row_values = nullptr, .axis_index = axis_index.typed_data(),
+      .recv_rows = nullptr, .recv_counts = nullptr, .token_dest_pos = token_dest_pos.typed_data(),
+      .slot_dest = slot_dest.typed_data(), .num_tokens = T, .hidden = H, .topk = K, .type = type,
+      .partial_f32 = partial_f32, .stage_own = true, .out = out.untyped_data(),
+      .slot_values = has_values ? static_cast<float*>(slot_values.untyped_data()) : nullptr, .sent = nullptr};
+  return ToFfi(kOp, LaunchCombine(call, device->View(), SwapFor(device, stream), stream, Phase::kFinish));
 }
 
 }  // namespace
