@@ -8,14 +8,14 @@ Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16
 (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
-and ``dw`` are what the custom VJP computes: dx and dw take the padded dense path where every group fits (``random``
-and ``equal`` sizes here), and from 256 groups up the forward too, else their kernels (``skewed``); ``dx`` sets
+and ``dw`` are what the custom VJP computes (``jax_ep.gmm.grouped_matmul.plan_for`` says which path each op
+takes: a kernel, or the padded dense path where every group fits, ``random`` and ``equal`` sizes here); ``dx`` sets
 rows past ``sum(group_sizes)`` to 0 (in place after its kernel; the padded path's row copy writes them).
-``fwd_upstream``/``fwd_tiles`` and ``dx_upstream``/``dx_tiles`` are the custom VJP's ops with one of the two
-forward kernels alone (below 256 groups ``fwd`` is the same program as ``fwd_upstream``), ``dw_kernel``
+``fwd_<kernel>`` and ``dx_<kernel>`` are the custom VJP's ops with one forward kernel alone and its own tiles
+(``upstream``, ``tiles``, ``specialized``; :class:`jax_ep.gmm.grouped_matmul.Plan`'s ``rows``), ``dw_kernel``
 dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded
 after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
-sampled check runs on the default path, on the kernels alone, and on the other forward kernel. Where the padded
+sampled check runs on the default path, on the kernels alone, and on each other forward kernel. Where the padded
 path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep.gmm.row_copies`` against XLA's
 gathers).
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
@@ -159,21 +159,22 @@ def dense_args(x, w, dy, g):
     return {"fwd": (xg, w), "dx": (dyg, w), "dw": (xg, dyg)}
 
 
-def gmm_fns(plan: gm.Plan):
-    """The custom VJP's three ops with ``plan`` (what users get), and the forward and dx with each of the two
-    kernels alone (``*_upstream``, ``*_tiles``; below 256 groups ``fwd`` is ``fwd_upstream``)."""
-    upstream = plan._replace(rows="upstream", padded=None)
-    tiles = plan._replace(rows="tiles", padded=None)
-    return {
+def gmm_fns(plan: gm.Plan, x, w):
+    """The custom VJP's three ops with ``plan`` (what users get), the forward and dx with each kernel alone and its
+    own tiles (``*_upstream``, ``*_tiles``, ``*_specialized``, where they fit), and dw's kernel alone."""
+    fns = {
         "fwd": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, plan)),
         "dx": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, plan)),
         "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
-        "fwd_upstream": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, upstream)),
-        "fwd_tiles": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, tiles)),
-        "dx_upstream": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, upstream)),
-        "dx_tiles": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, tiles)),
         "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
     }
+    for kernel in gm.ROWS_KERNELS:
+        alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
+        if alone is not None:
+            alone = alone._replace(padded=None)
+            fns[f"fwd_{kernel}"] = jax.jit(lambda x, w, s, p=alone: gm.custom_grouped_matmul(x, w, s, p))
+            fns[f"dx_{kernel}"] = jax.jit(lambda dy, w, s, p=alone: gm._dx(dy, w, s, p))
+    return fns
 
 
 def padded_fns(rows: int, suffix: str = ""):
@@ -228,7 +229,7 @@ def sampled_check(plan, x, w, dy, sizes) -> dict:
     total = int(sizes.sum())
     group_of_row = np.repeat(np.arange(len(sizes)), sizes)
     rows = np.random.default_rng(1).choice(total, 16, replace=False)
-    fns = gmm_fns(plan)
+    fns = gmm_fns(plan, x, w)
     y = fns["fwd"](x, w, s)
     dx = fns["dx"](dy, w, s)
     dw = fns["dw"](x, dy, s)
@@ -261,23 +262,22 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     row["errors"] = {}
     log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
     row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))
-    try:
-        other = "upstream" if plan.rows == "tiles" else "tiles"
-        row["check_kernels"] = sampled_check(plan._replace(padded=None), x, w, dy, group_sizes("random", m, g))
-        row["check_other_kernel"] = sampled_check(
-            plan._replace(rows=other, padded=None), x, w, dy, group_sizes("random", m, g)
-        )
-    except Exception as error:  # noqa: BLE001 - the other forward kernel failing is a result
-        row["errors"]["check_kernels"] = f"{type(error).__name__}: {str(error)[:400]}"
-    log(
-        f"  sampled check {row['check']}, kernels {row.get('check_kernels')}, other kernel "
-        f"{row.get('check_other_kernel')} {row['errors']}"
-    )
+    row["check_kernels"] = sampled_check(plan._replace(padded=None), x, w, dy, group_sizes("random", m, g))
+    for kernel in gm.ROWS_KERNELS:
+        alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
+        if kernel != plan.rows and alone is not None:
+            try:
+                row[f"check_{kernel}"] = sampled_check(
+                    alone._replace(padded=None), x, w, dy, group_sizes("random", m, g)
+                )
+            except Exception as error:  # noqa: BLE001 - another forward kernel failing is a result
+                row["errors"][f"check_{kernel}"] = f"{type(error).__name__}: {str(error)[:400]}"
+    log(f"  sampled checks { ({key: v for key, v in row.items() if key.startswith('check')}) } {row['errors']}")
     times = {}
     dargs = dense_args(x, w, dy, g)
     for op, fn in dense_fns().items():
         times[f"einsum_{op}"] = time_call(fn, dargs[op], iters)
-    fns = gmm_fns(plan)
+    fns = gmm_fns(plan, x, w)
     rows = padded.padded_rows(m, g)
     if rows is not None:
         row["row_copies_ms"] = time_row_copies(x, jnp.asarray(group_sizes("random", m, g)), rows, iters)
@@ -325,7 +325,8 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     return row
 
 
-OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_padded", "dx", "dx_upstream", "dx_tiles", "dx_padded", "dw")
+OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_specialized", "fwd_padded")
+OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw")
 OPS += ("dw_kernel", "dw_padded", "dw_padded_f32", "fwd_padded_step16", "dx_padded_step16", "dw_padded_step16")
 
 

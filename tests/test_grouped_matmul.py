@@ -202,7 +202,7 @@ def fake_kernels(monkeypatch, seen):
             assert a.shape[0] % mosaic.ROW_MULTIPLE == 0, f"{name} got {a.shape[0]} rows"
         seen.append(name)
 
-    def ragged(lhs, rhs, group_sizes, blocks, *, transpose_rhs=False):
+    def ragged(lhs, rhs, group_sizes, blocks, *, transpose_rhs=False, specialized=False):
         rows_ok("ragged_dot", lhs)
         out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
         return jnp.where(gm._rows_below(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
@@ -223,7 +223,7 @@ def fake_kernels(monkeypatch, seen):
         monkeypatch.setattr(rc, "zero_rows_from", zero)
 
 
-@pytest.mark.parametrize("rows", ["upstream", "tiles"])
+@pytest.mark.parametrize("rows", ["upstream", "tiles", "specialized"])
 @pytest.mark.parametrize("case", CPU_CASES)
 def test_kernel_branch_pads_rows(monkeypatch, case, rows):
     """Any M: the kernels see rows padded to a multiple of 8, and the results are ragged_dot's."""
@@ -258,8 +258,8 @@ def test_padded_rows_cover_groups_of_uniform_routing():
     bf16 = jnp.bfloat16
     many = gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16)
     assert many.padded == 192 and many.padded_ops == ("fwd", "dx", "dw") and many.padded_rows("dx") == 192
-    few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # below 256 groups the forward kernel won
-    assert few.padded == 1184 and few.padded_ops == ("dx", "dw") and few.padded_rows("fwd") is None
+    few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # groups of 1024 rows: the kernels won
+    assert few.padded == 1184 and few.padded_ops == ("dw",) and few.padded_rows("dx") is None
     small = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)
     assert small.padded == 192 and small.padded_ops == ("dx", "dw") and small.padded_rows("dw") == 192
     decode = gm.plan_for((1024, 7168), (256, 7168, 2048), bf16, bf16)  # 4 rows a group: padding would cost too much
@@ -325,9 +325,14 @@ def test_plan_for_shapes_and_dtypes():
     assert 7168 % plan.fwd.block_k == 0 and 2048 % plan.fwd.block_n == 0
     assert 2048 % plan.dx.block_k == 0 and 7168 % plan.dx.block_n == 0
     assert 7168 % plan.dw.block_m == 0 and 2048 % plan.dw.block_n == 0
-    if gm._mosaic.upstream_signature_ok():
-        assert plan.rows == "upstream"
+    assert plan.rows != "specialized"  # 128 rows a group
+    large = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # 1024 rows a group
+    assert large.rows == "specialized" and large.fwd == large.dx == gm.SPECIALIZED
+    assert gm.plan_for((32768, 7168), (32, 7168, 2112), bf16, bf16).rows != "specialized"  # N not a multiple of 256
+    assert gm.plan_for((2048, 128), (8, 128, 192), bf16, bf16, rows="specialized") is None
     assert gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16).rows == "tiles"  # many small groups
+    if gm._mosaic.upstream_signature_ok():
+        assert plan.rows == "upstream" and gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16).rows == "upstream"
     swept = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)  # the shape the forward and dx tiles won at
     assert swept.fwd == Blocks(64, 256, 64, 4, 4) and swept.dx == Blocks(128, 128, 64, 6, 16)
     assert gm.plan_for((2048, 128), (8, 128, 192), bf16, bf16).fwd == Blocks(64, 64, 64, 4, 1)  # 192 columns
@@ -397,6 +402,37 @@ def test_mosaic_tiles(blocks, rows):
     plan = gm.Plan(blocks, blocks, blocks, rows)
     got = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, sizes, dy)
     check(got, reference(x, w, sizes, dy), sizes, tol=2e-2)
+
+
+@hopper
+@pytest.mark.parametrize("blocks", [Blocks(128, 256, 64, 3, 2), Blocks(64, 128, 64, 4, 1)])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [100, 0, 333, 7, 200, 0, 17],  # groups starting off multiples of 8, empty groups, a NaN tail
+        [64, 65, 129, 192, 0, 63, 1, 250],  # rows that fill a tile's first half exactly, and one more
+        [1024],  # every row
+    ],
+)
+def test_specialized_kernel(sizes, transpose_rhs, blocks):
+    """The warp-specialized kernel: the rows of each group (tiles of one half and of both), nothing past them."""
+    m, k, n = 1024, 256, 512
+    sizes = np.asarray(sizes, np.int32)
+    s = int(sizes.sum())
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[s:] = np.nan
+    w = (rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)).astype(np.float32)
+    rhs = np.swapaxes(w, 1, 2) if transpose_rhs else w
+    kernel = functools.partial(gm._mosaic.ragged_dot, blocks=blocks, transpose_rhs=transpose_rhs, specialized=True)
+    got = jax.jit(kernel)(jnp.asarray(x, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16), jnp.asarray(sizes))
+    got = np.asarray(got, np.float32)
+    xb = np.asarray(jnp.asarray(x[:s], jnp.bfloat16), np.float32)
+    wb = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+    want = np.asarray(jax.lax.ragged_dot(jnp.asarray(xb), jnp.asarray(wb), jnp.asarray(sizes)))
+    assert np.all(np.isfinite(got[:s])), "no NaN from the rows past the groups"
+    np.testing.assert_allclose(got[:s], want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))
 
 
 @hopper

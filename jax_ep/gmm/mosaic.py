@@ -98,6 +98,60 @@ def tile_table(
     return gc, jnp.where(valid, row, 0), skip.astype(jnp.int32), rows.astype(jnp.int32)
 
 
+def _row_tiles(name: str, lhs, rhs, group_sizes, blocks: Blocks, transpose_rhs: bool):
+    """The shapes of ``lhs [M, K] x rhs [G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``), checked for ``blocks``,
+    and the tile table: ``(M, K, N, row tiles, column tiles, (group, row, skip, rows) per row tile)``."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
+    if k != k2 or k % blocks.block_k or n % blocks.block_n or blocks.block_m % ROW_MULTIPLE or lhs.dtype != rhs.dtype:
+        raise ValueError(f"{name}: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
+    _check_rows(name, m)
+    grid_m = num_row_tiles(m, g, blocks.block_m)
+    return m, k, n, grid_m, n // blocks.block_n, tile_table(group_sizes, blocks.block_m, grid_m)
+
+
+def _copy_rows(count, start, largest: int, copy) -> None:
+    """TMA copies have static sizes: ``copy(start, size)`` for ``count`` rows (fewer than ``2 * largest``, a power
+    of two) from row ``start`` on, as a sum of powers of two."""
+    size = largest
+    while size:
+
+        @pl.when(count & size != 0)
+        def _(start=start, size=size):
+            copy(start, size)
+
+        start += count & size
+        size //= 2
+
+
+def _each_tile(grid_m: int, grid_n: int, grid_block_n: int, table):
+    """Runs the decorated ``tile(ni, group, row, skip, rows)`` for each of this SM's output tiles (row tile ``mi``
+    of the tile table ``table``, four int32 refs as :func:`tile_table` gives them, and column tile ``ni``)."""
+    group_gmem, row_gmem, skip_gmem, rows_gmem = table
+
+    def loop(tile):
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def mn_loop(loop_info):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, grid_block_n)
+            # The tile table starts every tile at a multiple of ROW_MULTIPLE; layout inference must be told.
+            tile(ni, group_gmem[mi], pl.multiple_of(row_gmem[mi], ROW_MULTIPLE), skip_gmem[mi], rows_gmem[mi])
+
+    return loop
+
+
+def _persistent_kernel(body, out_shape: tuple[int, ...], dtype, **kwargs):
+    """A Mosaic GPU kernel of one block per SM (axis ``"sm"``), in warpgroup semantics."""
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **kwargs,
+    )
+
+
 def ragged_dot(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -105,33 +159,32 @@ def ragged_dot(
     blocks: Blocks,
     *,
     transpose_rhs: bool = False,
+    specialized: bool = False,
 ) -> jax.Array:
     """``out[r] = lhs[r] @ rhs[g(r)]`` for the rows ``r`` of each group; rows past the groups are not written.
 
     ``lhs [M, K]``, ``rhs [G, K, N]`` (or ``[G, N, K]`` with ``transpose_rhs``), same 16-bit dtype;
     ``M % ROW_MULTIPLE == 0``, ``K % block_k == 0``, ``N % block_n == 0``, ``block_m % ROW_MULTIPLE == 0``.
+
+    ``specialized``: warp specialization. One warpgroup loads both operands with TMA; two compute warpgroups
+    each multiply half of the tile's ``block_n`` columns and store them through shared memory in tiles of
+    :data:`EPILOGUE_TILE`, while the loads of the next tile go on. ``block_m`` and ``block_n / 2`` must be
+    multiples of :data:`EPILOGUE_TILE`.
     """
+    if specialized and (blocks.block_m % EPILOGUE_TILE or blocks.block_n % (2 * EPILOGUE_TILE)):
+        raise ValueError(f"ragged_dot: {blocks}: block_m and block_n / 2 must be multiples of {EPILOGUE_TILE}")
+    m, k, n, grid_m, grid_n, tiles = _row_tiles("ragged_dot", lhs, rhs, group_sizes, blocks, transpose_rhs)
+    make = _specialized_kernel if specialized else _pipelined_kernel
+    return make(m, k, n, grid_m, grid_n, blocks, transpose_rhs, lhs.dtype)(*tiles, lhs, rhs)
+
+
+def _pipelined_kernel(m, k, n, grid_m, grid_n, blocks: Blocks, transpose_rhs: bool, dtype):
+    """:func:`ragged_dot`'s kernel: one warpgroup per block pipelines the loads and multiplies."""
     bm, bn, bk, steps, gbn = blocks
-    m, k = lhs.shape
-    g = rhs.shape[0]
-    n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
-    if k != k2 or k % bk or n % bn or bm % ROW_MULTIPLE or lhs.dtype != rhs.dtype:
-        raise ValueError(f"ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
-    _check_rows("ragged_dot", m)
-    grid_m = num_row_tiles(m, g, bm)
-    grid_n = n // bn
-    tile_group, tile_row, tile_skip, tile_rows = tile_table(group_sizes, bm, grid_m)
 
     def body(group_gmem, row_gmem, skip_gmem, rows_gmem, lhs_gmem, rhs_gmem, o_gmem):
-        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
-        def mn_loop(loop_info):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, gbn)
-            group = group_gmem[mi]
-            # The tile table starts every tile at a multiple of ROW_MULTIPLE; layout inference must be told.
-            row = pl.multiple_of(row_gmem[mi], ROW_MULTIPLE)
-            skip = skip_gmem[mi]
-            rows = rows_gmem[mi]
-
+        @_each_tile(grid_m, grid_n, gbn, (group_gmem, row_gmem, skip_gmem, rows_gmem))
+        def tile(ni, group, row, skip, rows):
             def acc_scope(acc_ref):
                 @pl.when(rows > 0)
                 def _():
@@ -161,32 +214,121 @@ def ragged_dot(
             def store_scope(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                # TMA stores have static sizes: store `rows` rows from `skip` as a sum of powers of two
-                # (upstream's ladder, which starts from a row loaded at run time the same way).
-                smem_start = skip
-                remaining = min(bm, m)
-                while remaining > 0:
-                    chunk = 1 << int(math.log2(remaining))
-                    remaining //= 2
-
-                    @pl.when(rows & chunk != 0)
-                    def _(start=smem_start, size=chunk):
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[pl.ds(start, size)],
-                            o_gmem.at[pl.ds(row + start, size), pl.ds(ni * bn, bn)],
-                        )
-
-                    smem_start += rows & chunk
+                _copy_rows(
+                    rows,
+                    skip,
+                    1 << int(math.log2(min(bm, m))),
+                    lambda start, size: plgpu.copy_smem_to_gmem(
+                        o_smem.at[pl.ds(start, size)], o_gmem.at[pl.ds(row + start, size), pl.ds(ni * bn, bn)]
+                    ),
+                )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
-        grid=(_num_sms(),),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(tile_group, tile_row, tile_skip, tile_rows, lhs, rhs)
+    return _persistent_kernel(body, (m, n), dtype)
+
+
+# The tiled epilogue of :func:`ragged_dot` with ``specialized``: each compute warpgroup stores its accumulator
+# through shared memory in tiles of this many rows and columns.
+EPILOGUE_TILE = 64
+
+
+def _specialized_kernel(m, k, n, grid_m, grid_n, blocks: Blocks, transpose_rhs: bool, dtype):
+    """:func:`ragged_dot`'s kernel with warp specialization."""
+    bm, bn, bk, steps, gbn = blocks
+    wn = bn // 2
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    e = EPILOGUE_TILE
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k // bk,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(
+                    (bn, bk) if transpose_rhs else (bk, bn),
+                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=steps,
+            compute_context=compute_context,
+        )
+
+    def rhs_tile(rhs_gmem, group, ni):
+        cols = pl.ds(ni * bn, bn)
+        return rhs_gmem.at[group, cols, :] if transpose_rhs else rhs_gmem.at[group, :, cols]
+
+    def body(group_gmem, row_gmem, skip_gmem, rows_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(ignore, ignore).get_allocations(
+                lhs_gmem.at[pl.ds(0, bm), :], rhs_tile(rhs_gmem, 0, 0)
+            ),
+            # No tiling: a warpgroup's stores start at any row of its tile.
+            out_smem=plgpu.SMEM((2, e, e), o_gmem.dtype),
+            collective_axes="wg",
+        )
+        def pipeline_scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @_each_tile(grid_m, grid_n, gbn, (group_gmem, row_gmem, skip_gmem, rows_gmem))
+            def tile(ni, group, row, skip, rows):
+                wg_cols = pl.ds(wg * wn, wn)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, wn), jnp.float32))
+                    def acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...].astype(o_gmem.dtype)
+                        for em in range(bm // e):
+                            lo = jnp.clip(skip - em * e, 0, e)
+                            count = jnp.maximum(jnp.clip(skip + rows - em * e, 0, e) - lo, 0)
+
+                            @pl.when(count > 0)
+                            def _(em=em, lo=lo, count=count):
+                                for en in range(wn // e):
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                    out_smem[wg] = acc[em * e : (em + 1) * e, en * e : (en + 1) * e]
+                                    plgpu.commit_smem()
+                                    col = ni * bn + wg * wn + en * e
+                                    _copy_rows(
+                                        count,
+                                        lo,
+                                        e,
+                                        lambda start, size, em=em, col=col: plgpu.copy_smem_to_gmem(
+                                            out_smem.at[wg, pl.ds(start, size)],
+                                            o_gmem.at[pl.ds(row + em * e + start, size), pl.ds(col, e)],
+                                        ),
+                                    )
+
+                def mma(_, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        operand = plgpu.transpose_ref(rhs_smem.at[wg_cols, :], (1, 0))
+                    else:
+                        operand = rhs_smem.at[:, wg_cols]
+
+                    plgpu.wgmma(acc_ref, lhs_smem, operand)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                @pl.when(rows > 0)
+                def _():
+                    pipeline(mma, compute_context)(
+                        lhs_gmem.at[pl.ds(row, bm), :], rhs_tile(rhs_gmem, group, ni), allocations=allocations
+                    )
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return _persistent_kernel(body, (m, n), dtype, num_threads=3, thread_name="wg")
 
 
 def upstream_signature_ok() -> bool:
@@ -310,11 +452,4 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                 plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g, m, n), lhs.dtype),
-        grid=(_num_sms(),),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return kernel(sizes, starts, ends, num_blocks, block_starts, lhs, rhs)
+    return _persistent_kernel(body, (g, m, n), lhs.dtype)(sizes, starts, ends, num_blocks, block_starts, lhs, rhs)
