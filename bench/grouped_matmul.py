@@ -17,7 +17,8 @@ dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` w
 after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
 sampled check runs on the default path, on the kernels alone, and on each other forward kernel. Where the padded
 path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep.gmm.row_copies`` against XLA's
-gathers).
+gathers). ``useful_fraction``: M over the rows each path multiplies (the kernels' row tiles, the padded groups),
+the bound that padding puts on a path's ratio to the einsum.
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
@@ -253,6 +254,18 @@ def sampled_check(plan, x, w, dy, sizes) -> dict:
     return out
 
 
+def useful_fraction(m: int, g: int, sizes: np.ndarray) -> dict:
+    """M over the rows each path multiplies for these group sizes: the forward/dx kernels' row tiles of 64 and 128
+    rows (every tile of the tile table is a whole tile of wgmma work), and the padded path's G groups of C rows."""
+    out = {}
+    for bm in (64, 128):
+        *_, rows = mk.tile_table(jnp.asarray(sizes), bm, mk.num_row_tiles(m, g, bm))
+        out[f"tiles_{bm}"] = m / (int(np.count_nonzero(np.asarray(rows))) * bm)
+    c = padded.padded_rows(m, g)
+    out["padded"] = None if c is None else m / (g * c)
+    return out
+
+
 def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     tflop = 2 * m * k * n / 1e12
     x, w, dy = inputs(m, k, n, g)
@@ -262,6 +275,8 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
     row["errors"] = {}
     log(f"shape M={m} K={k} N={n} G={g}: plan {plan}")
     row["check"] = sampled_check(plan, x, w, dy, group_sizes("random", m, g))
+    row["useful_fraction"] = useful_fraction(m, g, group_sizes("random", m, g))
+    log(f"  useful fraction of the rows each path multiplies (random sizes): {row['useful_fraction']}")
     row["check_kernels"] = sampled_check(plan._replace(padded=None), x, w, dy, group_sizes("random", m, g))
     for kernel in gm.ROWS_KERNELS:
         alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
