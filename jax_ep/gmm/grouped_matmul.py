@@ -100,9 +100,8 @@ PADDED_OPS = ("dx", "dw")
 
 # Where groups average at least LARGE_GROUPS rows, the forward pass and dx run the warp-specialized kernel with tiles
 # SPECIALIZED (where N and K are multiples of its block_n), dx instead of the padded path. On one H200, × the einsum
-# in the same run, at 32 groups of 7168x2048 it beat the other kernels (forward 0.81 against 0.70, dx 0.75 against
-# 0.66 padded), at 128 rows a group it lost (64 groups of 4096x1024: forward 0.70 against 0.78; 256 groups of
-# 7168x2048: 0.72 against 0.73 padded).
+# in the same run, at 32 groups of 7168x2048 it beat the other paths (forward 0.88 against 0.77, dx 0.79 against
+# 0.67 padded; bench/results/grouped_matmul_992dba1_h200x1.json); at 128 rows a group it lost (performance_notes).
 LARGE_GROUPS = 512
 SPECIALIZED = Blocks(128, 256, 64, 3, 8)
 
