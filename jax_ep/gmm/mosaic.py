@@ -140,6 +140,13 @@ def _each_tile(grid_m: int, grid_n: int, grid_block_n: int, table):
     return loop
 
 
+def _wgmma_transforms(block_k: int, dtype):
+    """The shared-memory tiling and swizzle of a wgmma operand whose rows hold ``block_k`` values."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(block_k * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
 def _persistent_kernel(body, out_shape: tuple[int, ...], dtype, **kwargs):
     """A Mosaic GPU kernel of one block per SM (axis ``"sm"``), in warpgroup semantics."""
     return plgpu.kernel(
@@ -236,9 +243,7 @@ def _specialized_kernel(m, k, n, grid_m, grid_n, blocks: Blocks, transpose_rhs: 
     """:func:`ragged_dot`'s kernel with warp specialization."""
     bm, bn, bk, steps, gbn = blocks
     wn = bn // 2
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    transforms = _wgmma_transforms(bk, dtype)
     e = EPILOGUE_TILE
 
     def pipeline(body, compute_context):
@@ -382,9 +387,7 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     block_ends = (ends + bk - 1) // bk * bk
     num_blocks = (block_ends - block_starts) // bk
 
-    itemsize = jnp.dtype(lhs.dtype).itemsize
-    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    transforms = _wgmma_transforms(bk, lhs.dtype)
 
     def body(sizes_gmem, starts_gmem, ends_gmem, num_blocks_gmem, block_starts_gmem, lhs_gmem, rhs_gmem, o_gmem):
         grid_m = m // bm
