@@ -118,7 +118,9 @@ def weights(key, experts: int, hidden: int, intermediate: int):
     )
 
 
-def moe_step(mesh, args, experts: int, remat):
+def moe_step(mesh, args, experts: int, remat, arrays):
+    """The layer's step, its weights ``arrays`` (router, gate, up, down) shared with the other rows: on a GPU of
+    80 GB, E=256's weights and gradients leave no room for a second copy."""
     layer = jax_ep.nn.MoE(
         args.hidden,
         args.intermediate,
@@ -129,6 +131,9 @@ def moe_step(mesh, args, experts: int, remat):
         remat=remat,
         rngs=nnx.Rngs(0),
     )
+    params = (layer.router_kernel, layer.experts.w_gate, layer.experts.w_in, layer.experts.w_out)
+    for param, array in zip(params, arrays, strict=True):
+        param.value = array
     graphdef, params = nnx.split(layer)
 
     def loss(params, x, c):
@@ -151,13 +156,14 @@ def main() -> None:
     flops = 9 * 2 * t * k * h * f
     rows = []
     for experts in args.experts:
-        w_router, w_gate, w_in, w_out = weights(jax.random.key(2), experts, h, f)
+        arrays = weights(jax.random.key(2), experts, h, f)
+        w_router, w_gate, w_in, w_out = arrays
         times = {}
         if backend == "cuda":
             jax_ep.initialize(mesh, "ep", num_tokens=t, hidden=h, topk=k, num_experts=experts, dtype=jnp.bfloat16)
         try:
             for remat in (None, "full", "handle", "rows") if args.remat else (None,):
-                step, params = moe_step(mesh, args, experts, remat)
+                step, params = moe_step(mesh, args, experts, remat, arrays)
                 times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
         finally:
             if backend == "cuda":
