@@ -12,13 +12,14 @@ and ``dw`` are what the custom VJP computes (``jax_ep.gmm.grouped_matmul.plan_fo
 takes: a kernel, or the padded dense path where every group fits, ``random`` and ``equal`` sizes here); ``dx`` sets
 rows past ``sum(group_sizes)`` to 0 (in place after its kernel; the padded path's row copy writes them).
 ``fwd_<kernel>`` and ``dx_<kernel>`` are the custom VJP's ops with one forward kernel alone and its own tiles
-(``upstream``, ``tiles``, ``specialized``; :class:`jax_ep.gmm.grouped_matmul.Plan`'s ``rows``), ``dw_kernel``
-dw's kernel alone, ``*_padded`` the padded dense path alone (``dw_padded_f32`` with a float32 output rounded
-after the GEMM), and ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The
-sampled check runs on the default path, on the kernels alone, and on each other forward kernel. Where the padded
-path applies, its row copies of ``x`` are timed too (``row_copies_ms``: ``jax_ep.gmm.row_copies`` against XLA's
-gathers). ``useful_fraction``: M over the rows each path multiplies (the kernels' row tiles, the padded groups),
-the bound that padding puts on a path's ratio to the einsum.
+(``upstream``, ``tiles``, ``specialized``; :class:`jax_ep.gmm.grouped_matmul.Plan`'s ``rows``), ``dw_kernel`` dw's
+kernel alone (``dw_pipelined`` the one without warp specialization, where the plan's is specialized), ``*_padded``
+the padded dense path alone (``dw_padded_f32`` with a float32 output rounded after the GEMM), and
+``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The sampled check runs on the
+default path, on the kernels alone, and on each other forward kernel. Where the padded path applies, its row copies
+of ``x`` are timed too (``row_copies_ms``: ``jax_ep.gmm.row_copies`` against XLA's gathers). ``useful_fraction``: M
+over the rows each path multiplies (the kernels' row tiles, the padded groups), the bound that padding puts on a
+path's ratio to the einsum.
 Time per call: the median over 5 batches of ``k`` back-to-back calls, each
 batch ended by ``block_until_ready`` (``k`` = the iterations, fewer when outputs are large), after 2
 warm-up calls. TFLOP/s count ``2 * M * K * N`` useful flops. jax.lax.ragged_dot is timed with fewer calls and
@@ -169,6 +170,9 @@ def gmm_fns(plan: gm.Plan, x, w):
         "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
         "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
     }
+    if plan.rows == "specialized":
+        pipelined = plan._replace(rows="tiles", dw=gm._pick("dw", x.shape[1], w.shape[2]), padded=None)
+        fns["dw_pipelined"] = jax.jit(lambda x, dy, s: gm._dw(x, dy, s, pipelined))
     for kernel in gm.ROWS_KERNELS:
         alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
         if alone is not None:
@@ -342,7 +346,15 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
 
 OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_specialized", "fwd_padded")
 OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw")
-OPS += ("dw_kernel", "dw_padded", "dw_padded_f32", "fwd_padded_step16", "dx_padded_step16", "dw_padded_step16")
+OPS += (
+    "dw_kernel",
+    "dw_pipelined",
+    "dw_padded",
+    "dw_padded_f32",
+    "fwd_padded_step16",
+    "dx_padded_step16",
+    "dw_padded_step16",
+)
 
 
 # The tile sweep.

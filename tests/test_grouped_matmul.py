@@ -207,7 +207,7 @@ def fake_kernels(monkeypatch, seen):
         out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
         return jnp.where(gm._rows_below(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
 
-    def transposed(lhs, rhs, group_sizes, blocks):
+    def transposed(lhs, rhs, group_sizes, blocks, *, specialized=False):
         rows_ok("transposed_ragged_dot", lhs, rhs)
         return gm._xla_dw(lhs, rhs, group_sizes).astype(lhs.dtype)
 
@@ -327,7 +327,7 @@ def test_plan_for_shapes_and_dtypes():
     assert 7168 % plan.dw.block_m == 0 and 2048 % plan.dw.block_n == 0
     assert plan.rows != "specialized"  # 128 rows a group
     large = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # 1024 rows a group
-    assert large.rows == "specialized" and large.fwd == large.dx == gm.SPECIALIZED
+    assert large.rows == "specialized" and large.fwd == large.dx == large.dw == gm.SPECIALIZED
     assert gm.plan_for((32768, 7168), (32, 7168, 2112), bf16, bf16).rows != "specialized"  # N not a multiple of 256
     assert gm.plan_for((2048, 128), (8, 128, 192), bf16, bf16, rows="specialized") is None
     assert gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16).rows == "tiles"  # many small groups
@@ -433,6 +433,48 @@ def test_specialized_kernel(sizes, transpose_rhs, blocks):
     want = np.asarray(jax.lax.ragged_dot(jnp.asarray(xb), jnp.asarray(wb), jnp.asarray(sizes)))
     assert np.all(np.isfinite(got[:s])), "no NaN from the rows past the groups"
     np.testing.assert_allclose(got[:s], want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))
+
+
+@hopper
+@pytest.mark.parametrize(
+    "specialized,blocks", [(False, Blocks(128, 128, 64, 4, 1)), (True, Blocks(128, 256, 64, 3, 2))]
+)
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [100, 0, 333, 7, 200, 0, 17],  # groups starting and ending inside a row block, empty groups, a NaN tail
+        [64, 1, 63, 128, 0, 500],  # groups on row-block edges, one row
+        [1024],  # every row
+    ],
+)
+def test_transposed_kernels(sizes, specialized, blocks):
+    """dw's kernels: each group's own rows alone, whatever the others hold (NaN in one group and past the groups),
+    and 0 for an empty group. A freed NaN buffer of the output's size comes first, which the allocator most likely
+    hands the output, so that an element left unwritten shows."""
+    r, m, n = 1024, 256, 512
+    sizes = np.asarray(sizes, np.int32)
+    ends = np.cumsum(sizes)
+    rng = np.random.default_rng(5)
+    lhs = rng.standard_normal((r, m)).astype(np.float32)
+    rhs = rng.standard_normal((r, n)).astype(np.float32)
+    nan_group = int(np.argmax(sizes)) if len(sizes) > 1 else None
+    for a in (lhs, rhs):
+        a[ends[-1] :] = np.nan
+        if nan_group is not None:
+            a[ends[nan_group] - sizes[nan_group] : ends[nan_group]] = np.nan
+    kernel = functools.partial(gm._mosaic.transposed_ragged_dot, blocks=blocks, specialized=specialized)
+    args = jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16), jnp.asarray(sizes)
+    step = jax.jit(kernel).lower(*args).compile()
+    jnp.full((len(sizes), m, n), jnp.nan, jnp.bfloat16).block_until_ready()  # freed at once
+    got = np.asarray(step(*args))
+    lb, rb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (lhs, rhs))
+    for g, (size, end) in enumerate(zip(sizes, ends, strict=True)):
+        if g == nan_group:
+            continue
+        want = lb[end - size : end].T @ rb[end - size : end]
+        got_g = got[g].astype(np.float32)
+        assert np.all(np.isfinite(got_g)), f"group {g}: NaN or unwritten elements"
+        np.testing.assert_allclose(got_g, want, rtol=2e-2, atol=2e-2 * max(1.0, float(np.abs(want).max())))
 
 
 @hopper

@@ -49,7 +49,8 @@ class Plan(NamedTuple):
 
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``),
     ``"tiles"``, :func:`jax_ep.gmm.mosaic.ragged_dot` (tiles from each group's first row, rounded down to a
-    multiple of 8), or ``"specialized"``, the same tiles with warp specialization. ``padded``: rows per group
+    multiple of 8), or ``"specialized"``, the same tiles with warp specialization (and dw's kernel with warp
+    specialization too). ``padded``: rows per group
     of the padded dense path (:mod:`jax_ep.gmm.padded`), which
     the ops named in ``padded_ops`` take instead of their kernel when no group is larger, or None for the
     kernels alone.
@@ -150,7 +151,7 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype, rows: str | None = None) -> Pla
     if rows == "specialized":
         if not specialized_fits:
             return None
-        plan = Plan(_fitted(SPECIALIZED, n), _fitted(SPECIALIZED, k), _pick("dw", k, n), rows, padded, ("dw",))
+        plan = Plan(_fitted(SPECIALIZED, n), _fitted(SPECIALIZED, k), _fitted(SPECIALIZED, n), rows, padded, ("dw",))
     else:
         padded_ops = ("fwd", *PADDED_OPS) if g >= MANY_GROUPS else PADDED_OPS
         plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows, padded, padded_ops)
@@ -306,7 +307,7 @@ def _dx(dy, w, group_sizes, plan: Plan):
 
 def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
-        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw)
+        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.rows == "specialized")
 
     return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded_rows("dw"))
 

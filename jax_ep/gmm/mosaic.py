@@ -363,31 +363,63 @@ def upstream_ragged_dot(
     )
 
 
-def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks) -> jax.Array:
+def transposed_ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks, *, specialized: bool = False
+) -> jax.Array:
     """``out[g] = lhs[rows of g].T @ rhs[rows of g]``: ``lhs [R, M]``, ``rhs [R, N]`` -> ``[G, M, N]``.
 
     Rows outside a group never reach its output, whatever they hold (NaN included); empty groups give 0.
     ``R % ROW_MULTIPLE == 0``, ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of
     ``block_k``, a multiple of 64
     (the masks are wgmma-layout registers, 64 rows per warpgroup).
+
+    ``specialized``: warp specialization, as in :func:`ragged_dot`: one warpgroup loads both operands with TMA;
+    two compute warpgroups each multiply half of the tile's ``block_n`` columns (a multiple of 128) and store
+    their half of the tile through shared memory while the loads of the next tile go on.
     """
     bm, bn, bk, steps, gbn = blocks
     r, m = lhs.shape
     r2, n = rhs.shape
     g = group_sizes.shape[0]
-    if r != r2 or m % bm or n % bn or bk % 64 or lhs.dtype != rhs.dtype:
+    if r != r2 or m % bm or n % bn or bk % 64 or lhs.dtype != rhs.dtype or (specialized and bn % 128):
         raise ValueError(
             f"transposed_ragged_dot: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}"
+            + (" (specialized: block_n a multiple of 128)" if specialized else "")
         )
     _check_rows("transposed_ragged_dot", r)
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     block_starts = starts // bk * bk
-    block_ends = (ends + bk - 1) // bk * bk
-    num_blocks = (block_ends - block_starts) // bk
+    num_blocks = ((ends + bk - 1) // bk * bk - block_starts) // bk
+    make = _transposed_specialized_kernel if specialized else _transposed_pipelined_kernel
+    kernel = make(g, r, m, n, blocks, lhs.dtype)
+    return kernel(sizes, starts, ends, num_blocks, block_starts, lhs, rhs)
 
-    transforms = _wgmma_transforms(bk, lhs.dtype)
+
+def _group_rows_only(block_idx, num_blocks, start, end, bk: int, refs) -> None:
+    """In a group's first and last row block (``block_idx`` of ``num_blocks``), zeroes the rows of the
+    ``(bk, cols)`` shared-memory ``refs`` outside the group's rows ``[start, end)``: by a select, so that NaN
+    there stays out."""
+    first = block_idx == 0
+    last = block_idx == num_blocks - 1
+
+    @pl.when(first | last)
+    def _():
+        lo = lax.select(first, lax.rem(start, bk), jnp.int32(0))
+        hi = lax.select(last, lax.rem(end - 1, bk), jnp.int32(bk - 1))
+        for ref in refs:
+            reg = ref[...]
+            idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, reg.shape, 0), plgpu.Layout.WGMMA)
+            zero = plgpu.layout_cast(jnp.zeros(reg.shape, reg.dtype), plgpu.Layout.WGMMA)
+            ref[...] = lax.select((idx >= lo) & (idx <= hi), reg, zero)
+        plgpu.commit_smem()
+
+
+def _transposed_pipelined_kernel(g, r, m, n, blocks: Blocks, dtype):
+    """:func:`transposed_ragged_dot`'s kernel: one warpgroup per block pipelines the loads and multiplies."""
+    bm, bn, bk, steps, gbn = blocks
+    transforms = _wgmma_transforms(bk, dtype)
 
     def body(sizes_gmem, starts_gmem, ends_gmem, num_blocks_gmem, block_starts_gmem, lhs_gmem, rhs_gmem, o_gmem):
         grid_m = m // bm
@@ -402,22 +434,9 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
 
             def acc_scope(acc_ref):
                 def block_matmul(block_idx, lhs_smem, rhs_smem):
-                    block_idx = block_idx[0]
-                    first = block_idx == 0
-                    last = block_idx == num_blocks_gmem[g_i] - 1
-
-                    @pl.when(first | last)
-                    def _():
-                        # Keep rows [lo, hi] of this block: the group's own rows.
-                        lo = lax.select(first, lax.rem(starts_gmem[g_i], bk), jnp.int32(0))
-                        hi = lax.select(last, lax.rem(ends_gmem[g_i] - 1, bk), jnp.int32(bk - 1))
-                        for ref, cols in ((lhs_smem, bm), (rhs_smem, bn)):
-                            reg = ref[...]
-                            idx = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bk, cols), 0), plgpu.Layout.WGMMA)
-                            zero = plgpu.layout_cast(jnp.zeros((bk, cols), reg.dtype), plgpu.Layout.WGMMA)
-                            ref[...] = lax.select((idx >= lo) & (idx <= hi), reg, zero)
-                        plgpu.commit_smem()
-
+                    _group_rows_only(
+                        block_idx[0], num_blocks_gmem[g_i], starts_gmem[g_i], ends_gmem[g_i], bk, (lhs_smem, rhs_smem)
+                    )
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
                     if steps == 1:
                         plgpu.wgmma_wait(0)
@@ -455,4 +474,82 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                 plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _persistent_kernel(body, (g, m, n), lhs.dtype)(sizes, starts, ends, num_blocks, block_starts, lhs, rhs)
+    return _persistent_kernel(body, (g, m, n), dtype)
+
+
+def _transposed_specialized_kernel(g, r, m, n, blocks: Blocks, dtype):
+    """:func:`transposed_ragged_dot`'s kernel with warp specialization."""
+    bm, bn, bk, steps, gbn = blocks
+    wn = bn // 2
+    grid_m, grid_n = m // bm, n // bn
+    transforms = _wgmma_transforms(bk, dtype)
+
+    def pipeline(body, compute_context, num_blocks):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(num_blocks,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bk, bm), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((bk, bn), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=steps,
+            compute_context=compute_context,
+        )
+
+    def body(sizes_gmem, starts_gmem, ends_gmem, num_blocks_gmem, block_starts_gmem, lhs_gmem, rhs_gmem, o_gmem):
+        del sizes_gmem  # an empty group's pipeline has no steps: its tiles are stored as zeros
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @functools.partial(
+            pl.run_scoped,
+            # A grid known only in the kernel, as the real one is: a static one would shrink the stages to it.
+            allocations=pipeline(ignore, ignore, num_blocks_gmem[0]).get_allocations(
+                lhs_gmem.at[pl.ds(0, bk), pl.ds(0, bm)], rhs_gmem.at[pl.ds(0, bk), pl.ds(0, bn)]
+            ),
+            out_smem=plgpu.SMEM((2, bm, wn), o_gmem.dtype, transforms=transforms),
+            collective_axes="wg",
+        )
+        def pipeline_scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+            def mn_loop(loop_info):
+                g_i = loop_info.index[0]
+                m_i, n_i = plgpu.planar_snake(loop_info.index[1], (grid_m, grid_n), 1, gbn)
+                rows = pl.ds(pl.multiple_of(block_starts_gmem[g_i], bk), r)  # the pipeline reads the group's blocks
+                num_blocks = num_blocks_gmem[g_i]
+                wg_cols = pl.ds(wg * wn, wn)
+
+                def mma(block_idx, lhs_smem, rhs_smem, acc_ref):
+                    # Both compute warpgroups zero the same rows of lhs_smem: the same values, so no conflict.
+                    rhs_half = rhs_smem.at[:, wg_cols]
+                    _group_rows_only(
+                        block_idx[0], num_blocks, starts_gmem[g_i], ends_gmem[g_i], bk, (lhs_smem, rhs_half)
+                    )
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_half)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, wn), jnp.float32))
+                    def acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc_ref[...].astype(o_gmem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg], o_gmem.at[g_i, pl.ds(m_i * bm, bm), pl.ds(n_i * bn + wg * wn, wn)]
+                        )
+
+                pipeline(mma, compute_context, num_blocks)(
+                    lhs_gmem.at[rows, pl.ds(m_i * bm, bm)],
+                    rhs_gmem.at[rows, pl.ds(n_i * bn, bn)],
+                    allocations=allocations,
+                )
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return _persistent_kernel(body, (g, m, n), dtype, num_threads=3, thread_name="wg")
