@@ -13,7 +13,7 @@ takes: a kernel, or the padded dense path where every group fits, ``random`` and
 rows past ``sum(group_sizes)`` to 0 (in place after its kernel; the padded path's row copy writes them).
 ``fwd_<kernel>`` and ``dx_<kernel>`` are the custom VJP's ops with one forward kernel alone and its own tiles
 (``upstream``, ``tiles``, ``specialized``; :class:`jax_ep.gmm.grouped_matmul.Plan`'s ``rows``), ``dw_kernel`` dw's
-kernel alone (``dw_pipelined`` the one without warp specialization, where the plan's is specialized), ``*_padded``
+kernel alone, and each of its kernels alone (``dw_pipelined``, ``dw_specialized``, where they fit), ``*_padded``
 the padded dense path alone (``dw_padded_f32`` with a float32 output rounded after the GEMM), and
 ``*_padded_step16`` the padded path with its rows a group rounded to 16 instead of 32. The sampled check runs on the
 default path, on the kernels alone, and on each other forward kernel. Where the padded path applies, its row copies
@@ -170,9 +170,13 @@ def gmm_fns(plan: gm.Plan, x, w):
         "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
         "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
     }
-    if plan.rows == "specialized":
-        pipelined = plan._replace(rows="tiles", dw=gm._pick("dw", x.shape[1], w.shape[2]), padded=None)
-        fns["dw_pipelined"] = jax.jit(lambda x, dy, s: gm._dw(x, dy, s, pipelined))
+    k, n = x.shape[1], w.shape[2]
+    dw_kernels = {"pipelined": plan._replace(rows="tiles", dw=gm._pick("dw", k, n), padded=None)}
+    if k % gm.SPECIALIZED.block_m == 0 and n % gm.SPECIALIZED.block_n == 0:
+        dw_kernels["specialized"] = plan._replace(rows="specialized", dw=gm._fitted(gm.SPECIALIZED, n), padded=None)
+    for kernel, alone in dw_kernels.items():
+        if alone.dw is not None:
+            fns[f"dw_{kernel}"] = jax.jit(lambda x, dy, s, p=alone: gm._dw(x, dy, s, p))
     for kernel in gm.ROWS_KERNELS:
         alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
         if alone is not None:
