@@ -171,9 +171,10 @@ def gmm_fns(plan: gm.Plan, x, w):
         "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
     }
     k, n = x.shape[1], w.shape[2]
-    dw_kernels = {"pipelined": plan._replace(rows="tiles", dw=gm._pick("dw", k, n), padded=None)}
+    dw_kernels = {"pipelined": plan._replace(dw=gm._pick("dw", k, n), dw_specialized=False, padded=None)}
     if k % gm.SPECIALIZED.block_m == 0 and n % gm.SPECIALIZED.block_n == 0:
-        dw_kernels["specialized"] = plan._replace(rows="specialized", dw=gm._fitted(gm.SPECIALIZED, n), padded=None)
+        specialized = gm._fitted(gm.SPECIALIZED, n)
+        dw_kernels["specialized"] = plan._replace(dw=specialized, dw_specialized=True, padded=None)
     for kernel, alone in dw_kernels.items():
         if alone.dw is not None:
             fns[f"dw_{kernel}"] = jax.jit(lambda x, dy, s, p=alone: gm._dw(x, dy, s, p))

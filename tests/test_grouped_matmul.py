@@ -259,7 +259,7 @@ def test_padded_rows_cover_groups_of_uniform_routing():
     many = gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16)
     assert many.padded == 192 and many.padded_ops == ("fwd", "dx", "dw") and many.padded_rows("dx") == 192
     few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # groups of 1024 rows: the kernels won
-    assert few.padded == 1184 and few.padded_ops == ("dw",) and few.padded_rows("dx") is None
+    assert few.padded == 1184 and few.padded_ops == () and few.padded_rows("dw") is None
     small = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)
     assert small.padded == 192 and small.padded_ops == ("dx", "dw") and small.padded_rows("dw") == 192
     decode = gm.plan_for((1024, 7168), (256, 7168, 2048), bf16, bf16)  # 4 rows a group: padding would cost too much
@@ -328,6 +328,9 @@ def test_plan_for_shapes_and_dtypes():
     assert plan.rows != "specialized"  # 128 rows a group
     large = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # 1024 rows a group
     assert large.rows == "specialized" and large.fwd == large.dx == large.dw == gm.SPECIALIZED
+    assert large.dw_specialized and large.padded_ops == () and plan.dw_specialized and plan.padded_ops == ("dx", "dw")
+    odd = gm.plan_for((4096, 7168), (32, 7168, 2112), bf16, bf16)  # N not a multiple of 256: the pipelined dw
+    assert not odd.dw_specialized and 2112 % odd.dw.block_n == 0
     assert gm.plan_for((32768, 7168), (32, 7168, 2112), bf16, bf16).rows != "specialized"  # N not a multiple of 256
     assert gm.plan_for((2048, 128), (8, 128, 192), bf16, bf16, rows="specialized") is None
     assert gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16).rows == "tiles"  # many small groups
@@ -502,7 +505,8 @@ def test_mosaic_kernels_are_what_runs():
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize(
     "m,k,n,g,ops",
-    [(32768, 64, 128, 256, ("fwd", "dx", "dw")), (4096, 4096, 2048, 4, ("dw",))],  # 1024 rows a group: dx's kernel
+    # 1024 rows a group: the warp-specialized kernels, none on the padded path
+    [(32768, 64, 128, 256, ("fwd", "dx", "dw")), (4096, 4096, 2048, 4, ())],
     ids=["256_groups", "4_groups_large_weights"],
 )
 def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):

@@ -49,8 +49,8 @@ class Plan(NamedTuple):
 
     ``rows``: ``"upstream"``, JAX's ``ragged_dot_mgpu.ragged_dot`` (tiles at multiples of ``block_m``),
     ``"tiles"``, :func:`jax_ep.gmm.mosaic.ragged_dot` (tiles from each group's first row, rounded down to a
-    multiple of 8), or ``"specialized"``, the same tiles with warp specialization (and dw's kernel with warp
-    specialization too). ``padded``: rows per group
+    multiple of 8), or ``"specialized"``, the same tiles with warp specialization. ``dw_specialized``: dw's kernel
+    with warp specialization (tiles ``dw``). ``padded``: rows per group
     of the padded dense path (:mod:`jax_ep.gmm.padded`), which
     the ops named in ``padded_ops`` take instead of their kernel when no group is larger, or None for the
     kernels alone.
@@ -60,6 +60,7 @@ class Plan(NamedTuple):
     dx: Blocks | None
     dw: Blocks | None
     rows: str = "upstream"
+    dw_specialized: bool = False
     padded: int | None = None
     padded_ops: tuple[str, ...] = ()
 
@@ -99,10 +100,13 @@ MANY_GROUPS = 256
 PADDED_OPS = ("dx", "dw")
 
 
-# Where groups average at least LARGE_GROUPS rows, the forward pass and dx run the warp-specialized kernel with tiles
-# SPECIALIZED (where N and K are multiples of its block_n), dx instead of the padded path. On one H200, × the einsum
-# in the same run, at 32 groups of 7168x2048 it beat the other paths (forward 0.88 against 0.77, dx 0.79 against
-# 0.67 padded; bench/results/grouped_matmul_992dba1_h200x1.json); at 128 rows a group it lost (performance_notes).
+# Where groups average at least LARGE_GROUPS rows, the forward pass, dx and dw run the warp-specialized kernels with
+# tiles SPECIALIZED (where N and K are multiples of its block_n), dx and dw instead of the padded path. On one H200,
+# × the einsum in the same run, at 32 groups of 7168x2048 it beat the other paths (forward 0.88 against 0.77, dx
+# 0.79 against 0.67 padded; bench/results/grouped_matmul_992dba1_h200x1.json); at 128 rows a group it lost
+# (performance_notes). dw's warp-specialized kernel, on one H100 (grouped_matmul_c56867d_h100x1.json): 0.75 at 32
+# groups against 0.66 for the padded path and the pipelined kernel; at 256 groups 0.57 against 0.44 for the
+# pipelined kernel, so it is dw's kernel wherever its tiles divide the shape, but 0.83 for the padded path there.
 LARGE_GROUPS = 512
 SPECIALIZED = Blocks(128, 256, 64, 3, 8)
 
@@ -148,13 +152,15 @@ def plan_for(x_shape, w_shape, x_dtype, w_dtype, rows: str | None = None) -> Pla
             rows = "specialized"
         else:
             rows = "upstream" if g < MANY_GROUPS and _mosaic.upstream_signature_ok() else "tiles"
+    dw_specialized = k % SPECIALIZED.block_m == 0 and n % SPECIALIZED.block_n == 0
+    dw = _fitted(SPECIALIZED, n) if dw_specialized else _pick("dw", k, n)
     if rows == "specialized":
         if not specialized_fits:
             return None
-        plan = Plan(_fitted(SPECIALIZED, n), _fitted(SPECIALIZED, k), _fitted(SPECIALIZED, n), rows, padded, ("dw",))
+        plan = Plan(_fitted(SPECIALIZED, n), _fitted(SPECIALIZED, k), dw, rows, dw_specialized, padded)
     else:
         padded_ops = ("fwd", *PADDED_OPS) if g >= MANY_GROUPS else PADDED_OPS
-        plan = Plan(*(_pick(op, k, n) for op in ("fwd", "dx", "dw")), rows, padded, padded_ops)
+        plan = Plan(_pick("fwd", k, n), _pick("dx", k, n), dw, rows, dw_specialized, padded, padded_ops)
     if padded is None:
         plan = plan._replace(padded_ops=())
     return None if plan[:3] == (None, None, None) else plan
@@ -307,7 +313,7 @@ def _dx(dy, w, group_sizes, plan: Plan):
 
 def _dw(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
-        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.rows == "specialized")
+        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.dw_specialized)
 
     return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded_rows("dw"))
 
