@@ -354,6 +354,7 @@ OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw")
 OPS += (
     "dw_kernel",
     "dw_pipelined",
+    "dw_specialized",
     "dw_padded",
     "dw_padded_f32",
     "fwd_padded_step16",
