@@ -404,3 +404,20 @@ def test_feature_costs_cpu_dry_run(tmp_path):
         assert split["ratio"] == split["split_us"] / split["whole_us"]
     assert row["fp8"]["bf16_dispatch_us"] > 0 and row["fp8"]["fp8_dispatch_us"] > 0
     assert "split + mm us" in done.stdout
+
+
+@pytest.mark.parametrize("groups", [32, 256])
+def test_grouped_matmul_bench_prints_every_op_it_times(groups):
+    """Each of the grouped-matmul bench's timed functions has a row in its printed table (OPS)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_ep.gmm import grouped_matmul as gm
+
+    bench = _script("grouped_matmul")
+    x = jax.ShapeDtypeStruct((32768, 7168), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((groups, 7168, 2048), jnp.bfloat16)
+    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
+    timed = set(bench.gmm_fns(plan, x, w)) | set(bench.padded_fns(192)) | set(bench.padded_fns(192, "_step16"))
+    assert {"dw_pipelined", "dw_specialized"} <= timed
+    assert timed <= set(bench.OPS), timed - set(bench.OPS)
