@@ -15,8 +15,9 @@ gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared 
   reason where tokamax does not import (``pip install ".[bench]"``);
 * ``sort_jax_ep``: the same recipe with ``jax_ep.grouped_matmul``.
 
-With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. Time per step: the median of
-5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
+With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer; with ``--per-op``, ``moe_per_op``
+runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``). Time per
+step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
 (bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
 and ``sort_tokamax`` against ``moe``. TFLOP/s counts the experts' matmul FLOPs of a step (3 matmuls forward,
 6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
@@ -38,6 +39,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_ep  # noqa: E402
+import jax_ep.gmm.mlp  # noqa: E402
 import jax_ep.nn  # noqa: E402
 from jax_ep.bench.record import provenance, write  # noqa: E402
 
@@ -55,6 +57,9 @@ def parse_args():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10, help="steps per timed batch")
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
+    parser.add_argument(
+        "--per-op", action="store_true", help="also time the layer with each expert matmul op on its own path"
+    )
     return parser.parse_args()
 
 
@@ -165,6 +170,11 @@ def main() -> None:
             for remat in (None, "full", "handle", "rows") if args.remat else (None,):
                 step, params = moe_step(mesh, args, experts, remat, arrays)
                 times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
+            if args.per_op:
+                jax_ep.gmm.mlp.FUSED = False
+                step, params = moe_step(mesh, args, experts, None, arrays)
+                times["moe_per_op"] = time_call(step, (params, x, c), args.iters)
+                jax_ep.gmm.mlp.FUSED = True
         finally:
             if backend == "cuda":
                 jax_ep.finalize()

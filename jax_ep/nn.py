@@ -21,7 +21,7 @@ from ._validate import check_choice, check_positive_int
 from .ep.fp8 import check_wire_dtype
 from .ep.ops import HANDLE, ROWS, combine, dispatch, dispatch_finish, dispatch_start
 from .ep.types import LAYOUTS
-from .gmm.grouped_matmul import grouped_matmul
+from .gmm.mlp import grouped_mlp, mlp
 
 ROUTERS = ("softmax", "sigmoid")
 # MoE's remat choices and the jax.checkpoint policy of each (over the names jax_ep.dispatch gives its outputs).
@@ -31,8 +31,6 @@ REMATS = {
     "handle": jax.checkpoint_policies.save_only_these_names(HANDLE),
     "rows": jax.checkpoint_policies.save_only_these_names(HANDLE, ROWS),
 }
-
-Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class MoEOutput(NamedTuple):
@@ -48,16 +46,6 @@ class MoEOutput(NamedTuple):
     out: jax.Array
     aux_loss: jax.Array
     num_dropped: jax.Array
-
-
-def _mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
-    """``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated) or ``act(x @ w_in) @ w_out``, in the dtype of ``x``."""
-    w = {name: value.astype(x.dtype) for name, value in weights.items()}
-    if "w_gate" in w:
-        hidden = activation(matmul(x, w["w_gate"])) * matmul(x, w["w_in"])
-    else:
-        hidden = activation(matmul(x, w["w_in"]))
-    return matmul(hidden, w["w_out"])
 
 
 class MLP(nnx.Module):
@@ -388,7 +376,7 @@ class MoE(nnx.Module):
 
         def shared_expert(x):
             with jax.named_scope("shared_expert"):
-                return _mlp(x, params["shared"], jnp.matmul, self.activation)
+                return mlp(x, params["shared"], jnp.matmul, self.activation)
 
         shared = None
         with jax.named_scope("dispatch"):
@@ -411,10 +399,9 @@ class MoE(nnx.Module):
                 d = dispatch(x, topk_idx, topk_weights, **kw)
         with jax.named_scope("experts"):
             if self.layout == "ragged":
-                matmul = functools.partial(grouped_matmul, group_sizes=d.group_sizes)
+                y = grouped_mlp(d.x, params["experts"], d.group_sizes, self.activation)
             else:
-                matmul = functools.partial(jnp.einsum, "lch,lhf->lcf")
-            y = _mlp(d.x, params["experts"], matmul, self.activation)
+                y = mlp(d.x, params["experts"], functools.partial(jnp.einsum, "lch,lhf->lcf"), self.activation)
         with jax.named_scope("combine"):
             out = combine(y, d.handle, weights=d.weights)
         if "shared" in params:

@@ -215,25 +215,35 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     check_array("group_sizes", group_sizes, shape=(w.shape[0],), dtype=jnp.int32)
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"jax_ep: x [M, K] and w [G, K, N] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
+    plan = mosaic_plan(x.shape, w.shape, x.dtype, w.dtype, impl, "jax_ep.grouped_matmul")
+    if plan is None:
+        return lax.ragged_dot(x, w, group_sizes)
+    return custom_grouped_matmul(x, w, group_sizes, plan)
+
+
+def mosaic_plan(x_shape, w_shape, x_dtype, w_dtype, impl: str, caller: str) -> Plan | None:
+    """The plan of the Mosaic path for ``x [M, K]`` and ``w [G, K, N]``, or None where ``impl`` (:data:`IMPLS`, the
+    environment variable overriding ``"auto"``) resolves to XLA's ``ragged_dot``; a ``ValueError`` naming ``caller``
+    where ``impl="mosaic"`` cannot run."""
     if impl == "auto":
         impl = os.environ.get("JAX_EP_GROUPED_MATMUL", "auto")
         check_choice("the environment variable JAX_EP_GROUPED_MATMUL", impl, IMPLS)
     if impl == "auto" and not MOSAIC_BY_DEFAULT:
         impl = "xla"
     if impl == "xla":
-        return lax.ragged_dot(x, w, group_sizes)
-    plan = plan_for(x.shape, w.shape, x.dtype, w.dtype)
+        return None
+    plan = plan_for(x_shape, w_shape, x_dtype, w_dtype)
     if impl == "auto" and (plan is None or not hopper_available()):
-        return lax.ragged_dot(x, w, group_sizes)
+        return None
     if plan is None:
         why = _MOSAIC_IMPORT_ERROR or (
-            f"x {x.dtype} and w {w.dtype} must be both bfloat16 or both float16, and K={x.shape[1]} and "
-            f"N={w.shape[2]} multiples of 64"
+            f"x {jnp.dtype(x_dtype)} and w {jnp.dtype(w_dtype)} must be both bfloat16 or both float16, and "
+            f"K={x_shape[1]} and N={w_shape[2]} multiples of 64"
         )
-        raise ValueError(f"jax_ep.grouped_matmul: impl='mosaic' cannot run: {why}")
+        raise ValueError(f"{caller}: impl='mosaic' cannot run: {why}")
     if not hopper_available():
-        raise ValueError("jax_ep.grouped_matmul: impl='mosaic' needs Hopper GPUs (compute capability 9.x)")
-    return custom_grouped_matmul(x, w, group_sizes, plan)
+        raise ValueError(f"{caller}: impl='mosaic' needs Hopper GPUs (compute capability 9.x)")
+    return plan
 
 
 # The custom VJP. The kernels run on CUDA devices only; on any other platform each op is XLA's.
@@ -291,14 +301,14 @@ def _rows_kernel(plan: Plan):
     return functools.partial(_mosaic.ragged_dot, specialized=plan.rows == "specialized")
 
 
-def _fwd(x, w, group_sizes, plan: Plan):
+def fwd_op(x, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.fwd)
 
     return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=plan.padded_rows("fwd"))
 
 
-def _dx(dy, w, group_sizes, plan: Plan):
+def dx_op(dy, w, group_sizes, plan: Plan):
     # Rows past sum(group_sizes) are 0 in every branch: the kernel leaves them unwritten and an in-place kernel
     # zeroes them (a select would be one more pass over all of dx), the padded path's unpad writes zeros there,
     # and XLA's branch selects.
@@ -311,7 +321,7 @@ def _dx(dy, w, group_sizes, plan: Plan):
     return _op("dx", plan.dx, xla, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=plan.padded_rows("dx"))
 
 
-def _dw(x, dy, group_sizes, plan: Plan):
+def dw_op(x, dy, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.dw_specialized)
 
@@ -340,14 +350,14 @@ def custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, pl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, plan: Plan) -> jax.Array:
-    return _fwd(x, w, group_sizes, plan)
+    return fwd_op(x, w, group_sizes, plan)
 
 
 def _custom_fwd(x, w, group_sizes, plan):
-    return _fwd(x, w, group_sizes, plan), (x, w, group_sizes)
+    return fwd_op(x, w, group_sizes, plan), (x, w, group_sizes)
 
 
-def _summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+def summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
     """The cotangent summed over the mesh axes it varies over and its primal does not (inside shard_map, ``w``
     replicated over a data axis gets the sum of every data shard's ``dw``), so it has its primal's type."""
     extra = varying_axes(cotangent) - varying_axes(primal)
@@ -357,9 +367,9 @@ def _summed_to(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
 def _custom_bwd(plan, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _dx(dy, w, group_sizes, plan).astype(x.dtype)
-    dw = _dw(x, dy, group_sizes, plan).astype(w.dtype)
-    return _summed_to(dx, x), _summed_to(dw, w), None
+    dx = dx_op(dy, w, group_sizes, plan).astype(x.dtype)
+    dw = dw_op(x, dy, group_sizes, plan).astype(w.dtype)
+    return summed_to(dx, x), summed_to(dw, w), None
 
 
 _custom_grouped_matmul.defvjp(_custom_fwd, _custom_bwd)

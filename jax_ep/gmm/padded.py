@@ -99,7 +99,7 @@ def _xla_unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.where(held[:, None], jnp.take(p.reshape(g * rows, d), index, axis=0), 0)
 
 
-def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     # Output in the operands' type: XLA's GEMM accumulates bf16 in float32 and rounds once as it stores, where
     # asking for float32 and rounding after it would write and read the output twice more (15 GB for dw at 256
     # groups of the MoE layer's shape).
@@ -118,16 +118,16 @@ def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
 
 def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``ragged_dot(x, w, group_sizes)``, 0 past ``sum(group_sizes)``."""
-    y = _einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w)
+    y = einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w)
     return unpad(y, group_sizes, x.shape[0])
 
 
 def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``."""
-    d = _einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w)
+    d = einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w)
     return unpad(d, group_sizes, dy.shape[0])
 
 
 def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     """``dw[g] = x_g^T dy_g`` over each group's rows (``[G, K, N]``; 0 for an empty group)."""
-    return _einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))
+    return einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))

@@ -1,0 +1,189 @@
+"""The experts' MLP, ``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated) or ``act(x @ w_in) @ w_out``, over groups of rows.
+
+:func:`grouped_mlp` runs it with :func:`jax_ep.grouped_matmul`, except where the grouped matmul would take its padded
+dense path (:mod:`jax_ep.gmm.padded`) for all nine of its ops (the forward pass, ``dx`` and ``dw`` of three
+matmuls): there it takes that path once for the whole MLP, under one conditional on whether every group fits.
+``x`` and the output's cotangent go into groups once, the activation runs on the padded rows, and one unpad goes
+each way, where the nine ops would each pad and unpad their own operands (``x`` four times, the pre-activations out
+of groups and back in). It is a ``jax.custom_vjp`` whose residuals are ragged rows (``x`` and the
+pre-activations): residuals of a ``lax.cond`` are outputs of both branches, zeros from the untaken one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._validate import check_array, check_choice
+from . import grouped_matmul as _gm
+from . import padded as _padded
+from .vma import vary_like
+
+Matmul = Callable[[jax.Array, jax.Array], jax.Array]
+# The ops of one matmul that must all take the padded path for grouped_mlp to take it once.
+ALL_OPS = ("fwd", "dx", "dw")
+# False runs every op on its own everywhere (bench/moe_layer_baselines.py --per-op times both).
+FUSED = True
+
+
+def mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
+    """``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated, ``weights`` has ``w_gate``) or ``act(x @ w_in) @ w_out``, each
+    ``@`` a call of ``matmul``, in the dtype of ``x``."""
+    w = {name: value.astype(x.dtype) for name, value in weights.items()}
+    if "w_gate" in w:
+        hidden = activation(matmul(x, w["w_gate"])) * matmul(x, w["w_in"])
+    else:
+        hidden = activation(matmul(x, w["w_in"]))
+    return matmul(hidden, w["w_out"])
+
+
+def grouped_mlp(
+    x: jax.Array,
+    weights: dict[str, jax.Array],
+    group_sizes: jax.Array,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    *,
+    impl: str = "auto",
+) -> jax.Array:
+    """:func:`mlp` of ``x [M, H]`` with each group's weights, ``weights`` ``w_in``/``w_gate`` ``[G, H, F]`` and
+    ``w_out`` ``[G, F, H]``, the groups laid end to end from row 0 as in :func:`jax_ep.grouped_matmul`.
+
+    Results, gradients and ``impl`` as :func:`jax_ep.grouped_matmul`'s (rows past ``sum(group_sizes)`` of the output
+    unspecified, of ``dx`` 0). Where that function's plan puts all three ops of both matmul shapes on the padded
+    path (at least 256 groups that average at most 1/1.5 of the padded rows), the whole MLP runs padded in one
+    ``jax.custom_vjp`` when every group fits, and the grouped kernels otherwise.
+    """
+    _check(x, weights, group_sizes, impl)
+    w = {name: value.astype(x.dtype) for name, value in weights.items()}
+    plans = _fused_plans(x, w, impl)
+    if plans is None:
+        return mlp(x, w, functools.partial(_gm.grouped_matmul, group_sizes=group_sizes, impl=impl), activation)
+    m = x.shape[0]
+    pad = -m % _gm.ROW_MULTIPLE  # the kernels' row multiple; the padding rows lie past every group
+    xs = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    with jax.named_scope("grouped_mlp"):
+        return fused_mlp(xs, w, group_sizes, activation, plans)[:m]
+
+
+def _check(x: jax.Array, weights: dict[str, jax.Array], group_sizes: jax.Array, impl: str) -> None:
+    check_choice("impl", impl, _gm.IMPLS)
+    check_array("x", x, ndim=2, kind="floating")
+    names = set(weights)
+    if names not in ({"w_in", "w_out"}, {"w_gate", "w_in", "w_out"}):
+        raise ValueError(f"jax_ep: weights must be w_in, w_out and optionally w_gate, got {sorted(names)}")
+    for name, value in weights.items():
+        check_array(name, value, ndim=3, kind="floating")
+    g, _, f = weights["w_in"].shape
+    want = {"w_in": (g, x.shape[1], f), "w_gate": (g, x.shape[1], f), "w_out": (g, f, x.shape[1])}
+    shapes = {name: tuple(value.shape) for name, value in weights.items()}
+    if any(shapes[name] != want[name] for name in shapes):
+        raise ValueError(
+            f"jax_ep: with x [M, H] = {tuple(x.shape)} the weights must be w_in/w_gate [G, H, F] and w_out [G, F, H], "
+            f"got {shapes}"
+        )
+    check_array("group_sizes", group_sizes, shape=(g,), dtype=jnp.int32)
+
+
+def _fused_plans(x: jax.Array, w: dict[str, jax.Array], impl: str) -> tuple[_gm.Plan, _gm.Plan] | None:
+    """The plans of ``x @ w_in`` and ``hidden @ w_out`` where the whole MLP takes the padded path, else None."""
+    m, (g, h, f) = x.shape[0], w["w_in"].shape
+    caller = "jax_ep.gmm.grouped_mlp"
+    up = _gm.mosaic_plan((m, h), (g, h, f), x.dtype, w["w_in"].dtype, impl, caller)
+    down = _gm.mosaic_plan((m, f), (g, f, h), x.dtype, w["w_out"].dtype, impl, caller)
+    plans = (up, down)
+    if not FUSED or None in plans or not all(p.padded_ops == ALL_OPS and None not in p[:3] for p in plans):
+        return None
+    return plans
+
+
+def _pre_names(w: dict[str, jax.Array]) -> tuple[str, ...]:
+    """The weights applied to ``x``: their outputs are the pre-activations."""
+    return ("w_gate", "w_in") if "w_gate" in w else ("w_in",)
+
+
+def _hidden(activation: Callable, *pre: jax.Array) -> jax.Array:
+    return activation(pre[0]) * pre[1] if len(pre) == 2 else activation(pre[0])
+
+
+def _on_each_platform(padded, ragged, rows: int, *args):
+    """On CUDA ``padded(*args)`` when every group (``args[2]``) has at most ``rows`` rows, else ``ragged(*args)``
+    (the kernels); elsewhere ``ragged`` (XLA's ops)."""
+
+    def varying(fn):
+        return lambda *a: jax.tree.map(lambda v: vary_like(v, *jax.tree.leaves(a)), fn(*a))
+
+    def on_gpu(*a):
+        return lax.cond(_padded.fits(a[2], rows), varying(padded), varying(ragged), *a)
+
+    return lax.platform_dependent(*args, cuda=on_gpu, default=varying(ragged))
+
+
+def _forward(x, w, group_sizes, activation, plans):
+    """``(y, pre)``: the output and the ragged pre-activations (``x @ w_gate``, ``x @ w_in`` or ``x @ w_in``)."""
+    up, down = (p._replace(padded_ops=()) for p in plans)
+    names = _pre_names(w)
+
+    def ragged(x, w, s):
+        pre = tuple(_gm.fwd_op(x, w[name], s, up) for name in names)
+        return _gm.fwd_op(_hidden(activation, *pre), w["w_out"], s, down), pre
+
+    def padded(x, w, s):
+        rows, m = plans[0].padded, x.shape[0]
+        xp = _padded.pad(x, s, rows)
+        pre = tuple(_padded.einsum("gch,ghf->gcf", xp, w[name]) for name in names)
+        y = _padded.einsum("gcf,gfh->gch", _hidden(activation, *pre), w["w_out"])
+        return _padded.unpad(y, s, m), tuple(_padded.unpad(p, s, m) for p in pre)
+
+    return _on_each_platform(padded, ragged, plans[0].padded, x, w, group_sizes)
+
+
+def _backward(x, w, group_sizes, pre, dy, activation, plans):
+    """``dx`` and the weights' cotangents (a dict like ``w``)."""
+    up, down = (p._replace(padded_ops=()) for p in plans)
+    names = _pre_names(w)
+
+    def ragged(x, w, s, pre, dy):
+        hidden, pullback = jax.vjp(functools.partial(_hidden, activation), *pre)
+        grads = {"w_out": _gm.dw_op(hidden, dy, s, down)}
+        d_pre = pullback(_gm.dx_op(dy, w["w_out"], s, down).astype(x.dtype))
+        grads.update((name, _gm.dw_op(x, d, s, up)) for name, d in zip(names, d_pre, strict=True))
+        dx = sum(_gm.dx_op(d, w[name], s, up).astype(x.dtype) for name, d in zip(names, d_pre, strict=True))
+        return dx, grads
+
+    def padded(x, w, s, pre, dy):
+        rows, m = plans[0].padded, x.shape[0]
+        dyp = _padded.pad(dy, s, rows)
+        hidden, pullback = jax.vjp(functools.partial(_hidden, activation), *(_padded.pad(p, s, rows) for p in pre))
+        grads = {"w_out": _padded.einsum("gcf,gch->gfh", hidden, dyp)}
+        d_pre = pullback(_padded.einsum("gch,gfh->gcf", dyp, w["w_out"]))
+        xp = _padded.pad(x, s, rows)
+        grads.update((name, _padded.einsum("gch,gcf->ghf", xp, d)) for name, d in zip(names, d_pre, strict=True))
+        dx = sum(_padded.einsum("gcf,ghf->gch", d, w[name]) for name, d in zip(names, d_pre, strict=True))
+        return _padded.unpad(dx, s, m), grads
+
+    return _on_each_platform(padded, ragged, plans[0].padded, x, w, group_sizes, pre, dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_mlp(x, w, group_sizes, activation, plans):
+    """:func:`grouped_mlp`'s custom VJP (no checks; ``M`` a multiple of 8, ``w`` in the dtype of ``x``)."""
+    return _forward(x, w, group_sizes, activation, plans)[0]
+
+
+def _fused_fwd(x, w, group_sizes, activation, plans):
+    y, pre = _forward(x, w, group_sizes, activation, plans)
+    return y, (x, w, group_sizes, pre)
+
+
+def _fused_bwd(activation, plans, residuals, dy):
+    x, w, group_sizes, pre = residuals
+    dx, grads = _backward(x, w, group_sizes, pre, dy.astype(x.dtype), activation, plans)
+    grads = {name: _gm.summed_to(grads[name].astype(w[name].dtype), w[name]) for name in w}
+    return _gm.summed_to(dx, x), grads, None
+
+
+fused_mlp.defvjp(_fused_fwd, _fused_bwd)

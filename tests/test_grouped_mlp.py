@@ -1,0 +1,215 @@
+"""jax_ep.gmm.grouped_mlp: the expert MLP with the padded path taken once, against the MLP of jax.lax.ragged_dot.
+
+The CPU tests run the custom VJP's CUDA branches with XLA's ops in place of the kernels (test_grouped_matmul's
+``fake_kernels``); the GPU test runs the kernels and skips without a Hopper GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_grouped_matmul import fake_kernels, hopper
+
+from jax_ep.gmm import grouped_matmul as gm
+from jax_ep.gmm import mlp as gmlp
+from jax_ep.gmm import padded
+
+# (group sizes, padded rows): every group fits in "fits"; group 0 does not in "too_large".
+SIZES = {
+    "fits": ([250, 260, 0, 262, 248, 251, 259, 253], 352),
+    "too_large": ([400, 200, 0, 262, 200, 251, 259, 200], 352),
+}
+M, H, F = 2048, 128, 64
+
+
+def make(case: str, gated: bool, seed: int = 0):
+    """x [M, H] and dy [M, H] with NaN past the groups, the weights, the group sizes (all bfloat16 but the sizes)."""
+    sizes = np.asarray(SIZES[case][0], np.int32)
+    rng = np.random.default_rng(seed)
+    g, s = len(sizes), int(sizes.sum())
+    x, dy = rng.standard_normal((2, M, H)).astype(np.float32)
+    x[s:], dy[s:] = np.nan, np.nan
+    shapes = {"w_gate": (g, H, F), "w_in": (g, H, F), "w_out": (g, F, H)}
+    w = {name: rng.standard_normal(shape) / np.sqrt(shape[1]) for name, shape in shapes.items()}
+    if not gated:
+        del w["w_gate"]
+    as_bf16 = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    return as_bf16(x), {name: as_bf16(v) for name, v in w.items()}, jnp.asarray(sizes), as_bf16(dy)
+
+
+def reference(x, w, sizes, dy):
+    """y, dx, dw of the MLP of ragged_dot in float32, rows past the groups zeroed first."""
+    s = int(np.sum(sizes))
+    x32, dy32 = (jnp.asarray(a, jnp.float32).at[s:].set(0) for a in (x, dy))
+    w32 = {name: v.astype(jnp.float32) for name, v in w.items()}
+    fn = lambda a, b: gmlp.mlp(a, b, lambda u, v: jax.lax.ragged_dot(u, v, sizes), jax.nn.silu)  # noqa: E731
+    y, pullback = jax.vjp(fn, x32, w32)
+    return y, *pullback(dy32)
+
+
+def plans(rows: int):
+    """Plans of both matmul shapes with every op on the padded path of ``rows`` rows a group."""
+    g = len(SIZES["fits"][0])
+    return tuple(
+        gm.plan_for((M, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)._replace(padded=rows, padded_ops=gmlp.ALL_OPS)
+        for k, n in ((H, F), (F, H))
+    )
+
+
+def check(got, want, sizes):
+    s = int(np.sum(sizes))
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = got, want
+    pairs = [("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref)] + [(n, dw[n], dw_ref[n]) for n in dw_ref]
+    assert sorted(dw) == sorted(dw_ref)
+    for name, g, r in pairs:
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert g.shape == r.shape and np.all(np.isfinite(g)), f"{name} is not finite"
+        np.testing.assert_allclose(g, r, rtol=2e-2, atol=2e-2 * float(np.abs(r).max()), err_msg=name)
+    assert np.all(np.asarray(dx[s:], np.float32) == 0), "dx must be 0 past sum(group_sizes)"
+    empty = np.asarray(sizes) == 0
+    assert all(np.all(np.asarray(dw[n][empty], np.float32) == 0) for n in dw), "an empty group's dw must be 0"
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_fused_mlp_takes_one_path_and_matches_ragged_dot(monkeypatch, case, gated):
+    """The CUDA branches: with every group fitting the kernels are poisoned (NaN), so only the padded path can give
+    the result; with one group too large the padded einsums are."""
+    fake_kernels(monkeypatch, [])
+    if case == "fits":
+
+        def ragged(lhs, rhs, sizes, blocks, *, transpose_rhs=False, specialized=False):
+            return jnp.full((lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]), jnp.nan, lhs.dtype)
+
+        def transposed(lhs, rhs, sizes, blocks, *, specialized=False):
+            return jnp.full((sizes.shape[0], lhs.shape[1], rhs.shape[1]), jnp.nan, lhs.dtype)
+
+        monkeypatch.setattr(gm._mosaic, "ragged_dot", ragged)
+        monkeypatch.setattr(gm._mosaic, "upstream_ragged_dot", ragged)
+        monkeypatch.setattr(gm._mosaic, "transposed_ragged_dot", transposed)
+    else:
+        monkeypatch.setattr(padded, "einsum", lambda spec, a, b: jnp.einsum(spec, a, b) * jnp.nan)
+    monkeypatch.setattr(gmlp.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    x, w, sizes, dy = make(case, gated)
+    fused = functools.partial(gmlp.fused_mlp, group_sizes=sizes, activation=jax.nn.silu, plans=plans(SIZES[case][1]))
+
+    @jax.jit
+    def step(x, w, dy):
+        y, pullback = jax.vjp(lambda a, b: fused(a, b), x, w)
+        return y, *pullback(dy)
+
+    check(step(x, w, dy), reference(x, w, sizes, dy), sizes)
+    jaxpr = str(jax.make_jaxpr(step)(x, w, dy))
+    assert jaxpr.count("cond[") == 2, "one conditional forward, one backward"
+
+
+def test_grouped_mlp_fuses_only_where_every_op_is_padded(monkeypatch):
+    monkeypatch.setattr(gm, "hopper_available", lambda: True)
+    bf16 = jnp.bfloat16
+
+    def fused(m, h, f, g, gated=True):
+        x = jax.ShapeDtypeStruct((m, h), bf16)
+        names = ("w_gate", "w_in", "w_out") if gated else ("w_in", "w_out")
+        w = {n: jax.ShapeDtypeStruct((g, f, h) if n == "w_out" else (g, h, f), bf16) for n in names}
+        return gmlp._fused_plans(x, w, "auto") is not None
+
+    assert fused(32768, 7168, 2048, 256) and fused(32768, 7168, 2048, 256, gated=False)
+    assert not fused(32768, 7168, 2048, 32)  # 1024 rows a group: the warp-specialized kernels
+    assert not fused(8192, 4096, 1024, 64)  # the forward runs its kernel under 256 groups
+    assert not fused(1024, 7168, 2048, 256)  # 4 rows a group: padding would cost too much
+    monkeypatch.setattr(gmlp, "FUSED", False)
+    assert not fused(32768, 7168, 2048, 256)
+
+
+def test_grouped_mlp_without_hopper_is_the_mlp_of_ragged_dot():
+    if gm.hopper_available():
+        pytest.skip("on a Hopper GPU grouped_mlp runs the kernels (tested below)")
+    x, w, sizes, dy = make("fits", gated=True)
+    s = int(np.sum(sizes))
+
+    def run(fn):
+        y, pullback = jax.vjp(fn, x, w)
+        return [np.asarray(v, np.float32) for v in (y[:s], *jax.tree.leaves(pullback(dy)))]
+
+    got = run(lambda a, b: gmlp.grouped_mlp(a, b, sizes))
+    want = run(lambda a, b: gmlp.mlp(a, b, lambda u, v: jax.lax.ragged_dot(u, v, sizes), jax.nn.silu))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch):
+    """Inside shard_map, tokens over ("data", "ep") and weights over "ep": the weights' cotangents are summed over
+    "data" as autodiff of ragged_dot's MLP gives."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices")
+    fake_kernels(monkeypatch, [])
+    monkeypatch.setattr(gmlp.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
+    mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=cpus[:8])
+    x, w, sizes, _ = make("fits", gated=True)
+    x = jnp.nan_to_num(jnp.concatenate([x] * 8))  # every shard holds the same M rows, zeros past the groups
+    w = {n: jnp.concatenate([v] * 4) for n, v in w.items()}
+    s = jnp.tile(sizes, 8)
+    step_plans = plans(SIZES["fits"][1])
+    valid = sum(SIZES["fits"][0])
+
+    def loss(fn):
+        def body(x, w, s):
+            return jnp.sum(fn(x, w, s).astype(jnp.float32)[:valid] ** 2)[None]
+
+        specs = (P(("data", "ep")), P("ep"), P(("data", "ep")))
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(("data", "ep")))
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(mapped(x, w, s)), argnums=(0, 1)))
+
+    got = loss(lambda a, b, c: gmlp.fused_mlp(a, b, c, jax.nn.silu, step_plans))(x, w)
+    want = loss(lambda a, b, c: gmlp.mlp(a, b, lambda u, v: jax.lax.ragged_dot(u, v, c), jax.nn.silu))(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * float(np.abs(b).max()))
+
+
+def test_bad_arguments():
+    x, w, sizes, _ = make("fits", gated=True)
+    with pytest.raises(ValueError, match="w_in, w_out and optionally w_gate"):
+        gmlp.grouped_mlp(x, {"w_in": w["w_in"]}, sizes)
+    with pytest.raises(ValueError, match="w_out \\[G, F, H\\]"):
+        gmlp.grouped_mlp(x, {**w, "w_out": w["w_in"]}, sizes)
+    with pytest.raises(TypeError, match="group_sizes must have dtype int32"):
+        gmlp.grouped_mlp(x, w, sizes.astype(jnp.int16))
+    with pytest.raises(ValueError, match="impl"):
+        gmlp.grouped_mlp(x, w, sizes, impl="triton")
+
+
+@hopper
+@pytest.mark.parametrize("skew", [False, True], ids=["fits", "too_large"])
+def test_mosaic_grouped_mlp_at_256_groups(skew):
+    """The real kernels and row copies: one conditional each way (the per-op path has nine), and the output and
+    gradients match the float32 MLP of ragged_dot, whichever branch runs."""
+    m, h, f, g = 32768, 256, 128, 256
+    rows = padded.padded_rows(m, g)
+    rng = np.random.default_rng(3)
+    sizes = np.bincount(rng.integers(0, g, m - 100), minlength=g).astype(np.int32)
+    if skew:  # group 0 takes rows from every other group until it no longer fits
+        per = -(-(rows + 10 - sizes[0]) // (g - 1))
+        sizes[1:] -= per
+        sizes[0] += per * (g - 1)
+    assert (sizes.max() > rows) == skew and sizes.min() >= 0
+    x, dy = rng.standard_normal((2, m, h)).astype(np.float32)
+    x[-100:], dy[-100:] = np.nan, np.nan
+    shapes = {"w_gate": (g, h, f), "w_in": (g, h, f), "w_out": (g, f, h)}
+    wb = {n: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.bfloat16) for n, shape in shapes.items()}
+    xb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, dy))
+
+    @jax.jit
+    def step(x, w, dy):
+        y, pullback = jax.vjp(lambda a, b: gmlp.grouped_mlp(a, b, jnp.asarray(sizes), impl="mosaic"), x, w)
+        return y, *pullback(dy)
+
+    assert step.lower(xb, wb, dyb).compile().as_text().count("conditional(") == 2
+    got = step(xb, wb, dyb)
+    check(got, reference(xb, wb, jnp.asarray(sizes), dyb), sizes)
