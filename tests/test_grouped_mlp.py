@@ -206,10 +206,11 @@ def test_mosaic_grouped_mlp_at_256_groups(skew):
     xb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, dy))
 
     @jax.jit
-    def step(x, w, dy):
-        y, pullback = jax.vjp(lambda a, b: gmlp.grouped_mlp(a, b, jnp.asarray(sizes), impl="mosaic"), x, w)
+    def step(x, w, sizes, dy):  # sizes an argument: constant sizes would fold the conditionals away
+        y, pullback = jax.vjp(lambda a, b: gmlp.grouped_mlp(a, b, sizes, impl="mosaic"), x, w)
         return y, *pullback(dy)
 
-    assert step.lower(xb, wb, dyb).compile().as_text().count("conditional(") == 2
-    got = step(xb, wb, dyb)
+    args = (xb, wb, jnp.asarray(sizes), dyb)
+    assert step.lower(*args).compile().as_text().count("conditional(") == 2
+    got = step(*args)
     check(got, reference(xb, wb, jnp.asarray(sizes), dyb), sizes)
