@@ -15,12 +15,13 @@ gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared 
   reason where tokamax does not import (``pip install ".[bench]"``);
 * ``sort_jax_ep``: the same recipe with ``jax_ep.grouped_matmul``.
 
-With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer; with ``--per-op``, ``moe_per_op``
-runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``). Time per
-step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
-(bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
-and ``sort_tokamax`` against ``moe``. TFLOP/s counts the experts' matmul FLOPs of a step (3 matmuls forward,
-6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
+With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
+runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``) and
+``moe_one_size`` with the expert MLP's padded path at its largest padded size only
+(``jax_ep.gmm.padded.LADDER_SIZES = 1``). Time per step: the median of 5 batches of back-to-back steps after 2
+warm-ups, each batch ended by ``block_until_ready`` (bench/grouped_matmul.py's ``time_call``). The ratios are taken
+in this run: each row against ``dense``, and ``sort_tokamax`` against ``moe``. TFLOP/s counts the experts' matmul
+FLOPs of a step (3 matmuls forward, 6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ from flax import nnx  # noqa: E402
 
 import jax_ep  # noqa: E402
 import jax_ep.gmm.mlp  # noqa: E402
+import jax_ep.gmm.padded  # noqa: E402
 import jax_ep.nn  # noqa: E402
 from jax_ep.bench.record import provenance, write  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grouped_matmul import time_call  # noqa: E402
+
+# --ablate's rows: (name, module, attribute, value while timed).
+ABLATIONS = (
+    ("moe_per_op", jax_ep.gmm.mlp, "FUSED", False),
+    ("moe_one_size", jax_ep.gmm.padded, "LADDER_SIZES", 1),
+)
 
 
 def parse_args():
@@ -58,7 +66,7 @@ def parse_args():
     parser.add_argument("--iters", type=int, default=10, help="steps per timed batch")
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
     parser.add_argument(
-        "--per-op", action="store_true", help="also time the layer with each expert matmul op on its own path"
+        "--ablate", action="store_true", help="also time the layer's expert MLP per op, and with one padded size"
     )
     return parser.parse_args()
 
@@ -170,11 +178,14 @@ def main() -> None:
             for remat in (None, "full", "handle", "rows") if args.remat else (None,):
                 step, params = moe_step(mesh, args, experts, remat, arrays)
                 times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
-            if args.per_op:
-                jax_ep.gmm.mlp.FUSED = False
-                step, params = moe_step(mesh, args, experts, None, arrays)
-                times["moe_per_op"] = time_call(step, (params, x, c), args.iters)
-                jax_ep.gmm.mlp.FUSED = True
+            for name, module, attribute, value in ABLATIONS if args.ablate else ():
+                kept = getattr(module, attribute)
+                setattr(module, attribute, value)
+                try:
+                    step, params = moe_step(mesh, args, experts, None, arrays)
+                    times[name] = time_call(step, (params, x, c), args.iters)
+                finally:
+                    setattr(module, attribute, kept)
         finally:
             if backend == "cuda":
                 jax_ep.finalize()
@@ -188,8 +199,10 @@ def main() -> None:
         )
         if tokamax_dot is not None:
             times["sort_tokamax"] = time_call(training_step(sorted_recipe(tokamax_dot, k)), recipe_args, args.iters)
+        sizes = jnp.bincount(router(x, w_router, k)[1].reshape(-1), length=experts)
         row = {
             "experts": experts,
+            "largest_group": int(jnp.max(sizes)),  # of the T*K routing slots; the mean is T*K/E
             "ms": {name: 1e3 * s for name, s in times.items()},
             "expert_tflops": {name: flops / s / 1e12 for name, s in times.items()},
             "over_dense": {name: s / times["dense"] for name, s in times.items()},
@@ -208,6 +221,7 @@ def main() -> None:
     print(f"\nbackend {backend}, T={t} H={h} F={f} K={k} bf16; tokamax: {payload['tokamax']}")
     print(f"{'E':>4} {'row':<18} {'ms':>8} {'TFLOP/s':>8} {'/dense':>7}")
     for row in rows:
+        print(f"{row['experts']:>4} largest group {row['largest_group']} rows (mean {t * k // row['experts']})")
         for name, ms in row["ms"].items():
             tf, over = row["expert_tflops"][name], row["over_dense"][name]
             print(f"{row['experts']:>4} {name:<18} {ms:8.2f} {tf:8.0f} {over:7.2f}")

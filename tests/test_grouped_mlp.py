@@ -16,17 +16,20 @@ from jax_ep.gmm import grouped_matmul as gm
 from jax_ep.gmm import mlp as gmlp
 from jax_ep.gmm import padded
 
-# (group sizes, padded rows): every group fits in "fits"; group 0 does not in "too_large".
+# Group sizes: the ladder of padded sizes is (288, 304, 352) at M=2048 and 8 groups. Every group fits its smallest
+# size in "fits", only its largest in "fits_largest"; group 0 fits none in "too_large".
 SIZES = {
-    "fits": ([250, 260, 0, 262, 248, 251, 259, 253], 352),
-    "too_large": ([400, 200, 0, 262, 200, 251, 259, 200], 352),
+    "fits": [250, 260, 0, 262, 248, 251, 259, 253],
+    "fits_largest": [340, 200, 0, 262, 230, 251, 259, 241],
+    "too_large": [400, 200, 0, 262, 200, 251, 259, 200],
 }
 M, H, F = 2048, 128, 64
+LADDER = padded.row_ladder(M, 8)
 
 
 def make(case: str, gated: bool, seed: int = 0):
     """x [M, H] and dy [M, H] with NaN past the groups, the weights, the group sizes (all bfloat16 but the sizes)."""
-    sizes = np.asarray(SIZES[case][0], np.int32)
+    sizes = np.asarray(SIZES[case], np.int32)
     rng = np.random.default_rng(seed)
     g, s = len(sizes), int(sizes.sum())
     x, dy = rng.standard_normal((2, M, H)).astype(np.float32)
@@ -49,11 +52,11 @@ def reference(x, w, sizes, dy):
     return y, *pullback(dy32)
 
 
-def plans(rows: int):
-    """Plans of both matmul shapes with every op on the padded path of ``rows`` rows a group."""
-    g = len(SIZES["fits"][0])
+def plans():
+    """Plans of both matmul shapes with every op on the padded path."""
+    g = len(SIZES["fits"])
     return tuple(
-        gm.plan_for((M, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)._replace(padded=rows, padded_ops=gmlp.ALL_OPS)
+        gm.plan_for((M, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)._replace(padded_ops=gmlp.ALL_OPS)
         for k, n in ((H, F), (F, H))
     )
 
@@ -75,10 +78,11 @@ def check(got, want, sizes):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_fused_mlp_takes_one_path_and_matches_ragged_dot(monkeypatch, case, gated):
-    """The CUDA branches: with every group fitting the kernels are poisoned (NaN), so only the padded path can give
-    the result; with one group too large the padded einsums are."""
+    """The CUDA branches: with every group fitting a padded size the kernels are poisoned (NaN), so only the padded
+    path can give the result (and a size too small would drop rows); with one group too large the padded einsums
+    are."""
     fake_kernels(monkeypatch, [])
-    if case == "fits":
+    if case != "too_large":
 
         def ragged(lhs, rhs, sizes, blocks, *, transpose_rhs=False, specialized=False):
             return jnp.full((lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]), jnp.nan, lhs.dtype)
@@ -93,7 +97,8 @@ def test_fused_mlp_takes_one_path_and_matches_ragged_dot(monkeypatch, case, gate
         monkeypatch.setattr(padded, "einsum", lambda spec, a, b: jnp.einsum(spec, a, b) * jnp.nan)
     monkeypatch.setattr(gmlp.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     x, w, sizes, dy = make(case, gated)
-    fused = functools.partial(gmlp.fused_mlp, group_sizes=sizes, activation=jax.nn.silu, plans=plans(SIZES[case][1]))
+    assert LADDER == (288, 304, 352) and (max(SIZES[case]) <= LADDER[0]) == (case == "fits")
+    fused = functools.partial(gmlp.fused_mlp, group_sizes=sizes, activation=jax.nn.silu, plans=plans(), ladder=LADDER)
 
     @jax.jit
     def step(x, w, dy):
@@ -119,6 +124,7 @@ def test_grouped_mlp_fuses_only_where_every_op_is_padded(monkeypatch):
     assert not fused(32768, 7168, 2048, 32)  # 1024 rows a group: the warp-specialized kernels
     assert not fused(8192, 4096, 1024, 64)  # the forward runs its kernel under 256 groups
     assert not fused(1024, 7168, 2048, 256)  # 4 rows a group: padding would cost too much
+    assert padded.row_ladder(32768, 256) == (160, 176, 192) and padded.row_ladder(1024, 256) == ()
     monkeypatch.setattr(gmlp, "FUSED", False)
     assert not fused(32768, 7168, 2048, 256)
 
@@ -155,8 +161,8 @@ def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch):
     x = jnp.nan_to_num(jnp.concatenate([x] * 8))  # every shard holds the same M rows, zeros past the groups
     w = {n: jnp.concatenate([v] * 4) for n, v in w.items()}
     s = jnp.tile(sizes, 8)
-    step_plans = plans(SIZES["fits"][1])
-    valid = sum(SIZES["fits"][0])
+    step_plans = plans()
+    valid = sum(SIZES["fits"])
 
     def loss(fn):
         def body(x, w, s):
@@ -166,7 +172,7 @@ def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch):
         mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(("data", "ep")))
         return jax.jit(jax.grad(lambda x, w: jnp.sum(mapped(x, w, s)), argnums=(0, 1)))
 
-    got = loss(lambda a, b, c: gmlp.fused_mlp(a, b, c, jax.nn.silu, step_plans))(x, w)
+    got = loss(lambda a, b, c: gmlp.fused_mlp(a, b, c, jax.nn.silu, step_plans, LADDER))(x, w)
     want = loss(lambda a, b, c: gmlp.mlp(a, b, lambda u, v: jax.lax.ragged_dot(u, v, c), jax.nn.silu))(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

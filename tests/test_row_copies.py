@@ -47,6 +47,12 @@ def check_kernels(case: str, dtype, spare: int):
     want = np.asarray(a, np.float32).copy()
     want[total:] = 0
     np.testing.assert_array_equal(np.asarray(u, np.float32), want)
+    q = padded._xla_pad(jnp.flip(a, axis=1), sizes, rows)  # another addend, also 0 past each group
+    summed = rc.unpad(p, starts, sizes, m, plus=q)
+    want_sum = (jnp.asarray(p, jnp.float32) + jnp.asarray(q, jnp.float32)).astype(a.dtype)
+    np.testing.assert_array_equal(
+        np.asarray(summed, np.float32), np.asarray(padded._xla_unpad(want_sum, sizes, m), np.float32)
+    )
     for first in sorted({0, total // 2, total, m}):
         z = np.asarray(jax.jit(rc.zero_rows_from)(a, jnp.int32(first)), np.float32)
         assert np.all(z[first:] == 0)

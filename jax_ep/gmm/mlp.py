@@ -2,11 +2,14 @@
 
 :func:`grouped_mlp` runs it with :func:`jax_ep.grouped_matmul`, except where the grouped matmul would take its padded
 dense path (:mod:`jax_ep.gmm.padded`) for all nine of its ops (the forward pass, ``dx`` and ``dw`` of three
-matmuls): there it takes that path once for the whole MLP, under one conditional on whether every group fits.
-``x`` and the output's cotangent go into groups once, the activation runs on the padded rows, and one unpad goes
-each way, where the nine ops would each pad and unpad their own operands (``x`` four times, the pre-activations out
-of groups and back in). It is a ``jax.custom_vjp`` whose residuals are ragged rows (``x`` and the
-pre-activations): residuals of a ``lax.cond`` are outputs of both branches, zeros from the untaken one.
+matmuls): there it takes that path once for the whole MLP, under one conditional in each pass. ``x`` and the
+output's cotangent go into groups once, the activation runs on the padded rows, and one unpad goes each way (the
+backward pass's sums the two parts of ``dx`` as it copies), where the nine ops would each pad and unpad their own
+operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the smallest of a
+few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs multiply fewer
+padding rows than the ops' single size, or the kernels when no size fits. It is a ``jax.custom_vjp`` whose
+residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every branch,
+zeros from the untaken ones.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def grouped_mlp(
     Results, gradients and ``impl`` as :func:`jax_ep.grouped_matmul`'s (rows past ``sum(group_sizes)`` of the output
     unspecified, of ``dx`` 0). Where that function's plan puts all three ops of both matmul shapes on the padded
     path (at least 256 groups that average at most 1/1.5 of the padded rows), the whole MLP runs padded in one
-    ``jax.custom_vjp`` when every group fits, and the grouped kernels otherwise.
+    ``jax.custom_vjp`` at the smallest padded size every group fits, and the grouped kernels when none fits.
     """
     _check(x, weights, group_sizes, impl)
     w = {name: value.astype(x.dtype) for name, value in weights.items()}
@@ -66,7 +69,7 @@ def grouped_mlp(
     pad = -m % _gm.ROW_MULTIPLE  # the kernels' row multiple; the padding rows lie past every group
     xs = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     with jax.named_scope("grouped_mlp"):
-        return fused_mlp(xs, w, group_sizes, activation, plans)[:m]
+        return fused_mlp(xs, w, group_sizes, activation, plans, _padded.row_ladder(m, group_sizes.shape[0]))[:m]
 
 
 def _check(x: jax.Array, weights: dict[str, jax.Array], group_sizes: jax.Array, impl: str) -> None:
@@ -109,20 +112,22 @@ def _hidden(activation: Callable, *pre: jax.Array) -> jax.Array:
     return activation(pre[0]) * pre[1] if len(pre) == 2 else activation(pre[0])
 
 
-def _on_each_platform(padded, ragged, rows: int, *args):
-    """On CUDA ``padded(*args)`` when every group (``args[2]``) has at most ``rows`` rows, else ``ragged(*args)``
-    (the kernels); elsewhere ``ragged`` (XLA's ops)."""
+def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
+    """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits, or
+    ``ragged(*args)`` (the kernels) when none does; elsewhere ``ragged`` (XLA's ops)."""
 
     def varying(fn):
         return lambda *a: jax.tree.map(lambda v: vary_like(v, *jax.tree.leaves(a)), fn(*a))
 
     def on_gpu(*a):
-        return lax.cond(_padded.fits(a[2], rows), varying(padded), varying(ragged), *a)
+        index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(a[2]))  # len(ladder) where none fits
+        padded_branches = [varying(lambda *b, rows=rows: padded(*b, rows)) for rows in ladder]
+        return lax.switch(index, [*padded_branches, varying(ragged)], *a)
 
     return lax.platform_dependent(*args, cuda=on_gpu, default=varying(ragged))
 
 
-def _forward(x, w, group_sizes, activation, plans):
+def _forward(x, w, group_sizes, activation, plans, ladder):
     """``(y, pre)``: the output and the ragged pre-activations (``x @ w_gate``, ``x @ w_in`` or ``x @ w_in``)."""
     up, down = (p._replace(padded_ops=()) for p in plans)
     names = _pre_names(w)
@@ -131,17 +136,20 @@ def _forward(x, w, group_sizes, activation, plans):
         pre = tuple(_gm.fwd_op(x, w[name], s, up) for name in names)
         return _gm.fwd_op(_hidden(activation, *pre), w["w_out"], s, down), pre
 
-    def padded(x, w, s):
-        rows, m = plans[0].padded, x.shape[0]
+    def padded(x, w, s, rows):
+        m = x.shape[0]
         xp = _padded.pad(x, s, rows)
-        pre = tuple(_padded.einsum("gch,ghf->gcf", xp, w[name]) for name in names)
-        y = _padded.einsum("gcf,gfh->gch", _hidden(activation, *pre), w["w_out"])
+        with jax.named_scope("grouped_matmul_fwd"):
+            pre = tuple(_padded.einsum("gch,ghf->gcf", xp, w[name]) for name in names)
+        hidden = _hidden(activation, *pre)
+        with jax.named_scope("grouped_matmul_fwd"):
+            y = _padded.einsum("gcf,gfh->gch", hidden, w["w_out"])
         return _padded.unpad(y, s, m), tuple(_padded.unpad(p, s, m) for p in pre)
 
-    return _on_each_platform(padded, ragged, plans[0].padded, x, w, group_sizes)
+    return _on_each_platform(padded, ragged, ladder, x, w, group_sizes)
 
 
-def _backward(x, w, group_sizes, pre, dy, activation, plans):
+def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
     """``dx`` and the weights' cotangents (a dict like ``w``)."""
     up, down = (p._replace(padded_ops=()) for p in plans)
     names = _pre_names(w)
@@ -154,34 +162,41 @@ def _backward(x, w, group_sizes, pre, dy, activation, plans):
         dx = sum(_gm.dx_op(d, w[name], s, up).astype(x.dtype) for name, d in zip(names, d_pre, strict=True))
         return dx, grads
 
-    def padded(x, w, s, pre, dy):
-        rows, m = plans[0].padded, x.shape[0]
+    def padded(x, w, s, pre, dy, rows):
+        m = x.shape[0]
         dyp = _padded.pad(dy, s, rows)
         hidden, pullback = jax.vjp(functools.partial(_hidden, activation), *(_padded.pad(p, s, rows) for p in pre))
-        grads = {"w_out": _padded.einsum("gcf,gch->gfh", hidden, dyp)}
-        d_pre = pullback(_padded.einsum("gch,gfh->gcf", dyp, w["w_out"]))
+        with jax.named_scope("grouped_matmul_dw"):
+            grads = {"w_out": _padded.einsum("gcf,gch->gfh", hidden, dyp)}
+        with jax.named_scope("grouped_matmul_dx"):
+            d_hidden = _padded.einsum("gch,gfh->gcf", dyp, w["w_out"])
+        d_pre = pullback(d_hidden)
         xp = _padded.pad(x, s, rows)
-        grads.update((name, _padded.einsum("gch,gcf->ghf", xp, d)) for name, d in zip(names, d_pre, strict=True))
-        dx = sum(_padded.einsum("gcf,ghf->gch", d, w[name]) for name, d in zip(names, d_pre, strict=True))
-        return _padded.unpad(dx, s, m), grads
+        with jax.named_scope("grouped_matmul_dw"):
+            grads.update((name, _padded.einsum("gch,gcf->ghf", xp, d)) for name, d in zip(names, d_pre, strict=True))
+        with jax.named_scope("grouped_matmul_dx"):
+            dxp = [_padded.einsum("gcf,ghf->gch", d, w[name]) for name, d in zip(names, d_pre, strict=True)]
+        # The gate's and the up projection's parts of dx are summed as they are copied out of the groups.
+        return _padded.unpad(dxp[0], s, m, plus=dxp[1] if len(dxp) == 2 else None), grads
 
-    return _on_each_platform(padded, ragged, plans[0].padded, x, w, group_sizes, pre, dy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_mlp(x, w, group_sizes, activation, plans):
-    """:func:`grouped_mlp`'s custom VJP (no checks; ``M`` a multiple of 8, ``w`` in the dtype of ``x``)."""
-    return _forward(x, w, group_sizes, activation, plans)[0]
+    return _on_each_platform(padded, ragged, ladder, x, w, group_sizes, pre, dy)
 
 
-def _fused_fwd(x, w, group_sizes, activation, plans):
-    y, pre = _forward(x, w, group_sizes, activation, plans)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fused_mlp(x, w, group_sizes, activation, plans, ladder):
+    """:func:`grouped_mlp`'s custom VJP (no checks; ``M`` a multiple of 8, ``w`` in the dtype of ``x``): the padded
+    path with the first of the padded sizes ``ladder`` that every group fits, else the kernels of ``plans``."""
+    return _forward(x, w, group_sizes, activation, plans, ladder)[0]
+
+
+def _fused_fwd(x, w, group_sizes, activation, plans, ladder):
+    y, pre = _forward(x, w, group_sizes, activation, plans, ladder)
     return y, (x, w, group_sizes, pre)
 
 
-def _fused_bwd(activation, plans, residuals, dy):
+def _fused_bwd(activation, plans, ladder, residuals, dy):
     x, w, group_sizes, pre = residuals
-    dx, grads = _backward(x, w, group_sizes, pre, dy.astype(x.dtype), activation, plans)
+    dx, grads = _backward(x, w, group_sizes, pre, dy.astype(x.dtype), activation, plans, ladder)
     grads = {name: _gm.summed_to(grads[name].astype(w[name].dtype), w[name]) for name in w}
     return _gm.summed_to(dx, x), grads, None
 

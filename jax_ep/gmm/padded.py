@@ -38,6 +38,24 @@ def padded_rows(m: int, g: int, step: int = ROW_STEP) -> int | None:
     return rows if rows <= MOST_FLOPS * mean else None
 
 
+# grouped_mlp's ladder of padded sizes: from M / G plus this many standard deviations, in steps of LADDER_STEP rows,
+# at most LADDER_SIZES sizes up to padded_rows.
+LADDER_SPREAD = 2.0
+LADDER_STEP = 16
+LADDER_SIZES = 3
+
+
+def row_ladder(m: int, g: int) -> tuple[int, ...]:
+    """Padded sizes, ascending, for ``m`` rows in ``g`` groups, the last :func:`padded_rows` (empty where that is None):
+    the smallest that every group fits multiplies the fewest padding rows."""
+    top = padded_rows(m, g)
+    if top is None:
+        return ()
+    mean = m / g
+    low = math.ceil((mean + LADDER_SPREAD * math.sqrt(mean)) / LADDER_STEP) * LADDER_STEP
+    return (*list(range(low, top, LADDER_STEP))[: LADDER_SIZES - 1], top)
+
+
 def fits(group_sizes: jax.Array, rows: int) -> jax.Array:
     """Whether every group has at most ``rows`` rows (a scalar bool)."""
     return jnp.max(group_sizes) <= rows
@@ -77,12 +95,22 @@ def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.where((c < group_sizes[:, None])[..., None], gathered, 0)
 
 
-def unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
-    """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0."""
+def unpad(p: jax.Array, group_sizes: jax.Array, m: int, plus: jax.Array | None = None) -> jax.Array:
+    """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0. With ``plus`` (``p``'s shape
+    and dtype) the rows of ``p + plus``, summed in float32 as they are copied."""
+    if plus is None:
+        return _row_copy(
+            lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
+            lambda p, s: _xla_unpad(p, s, m),
+            p,
+            group_sizes,
+            shapes=(p.shape, (m, p.shape[2])),
+        )
     return _row_copy(
-        lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
-        lambda p, s: _xla_unpad(p, s, m),
+        lambda p, q, s: _row_copies.unpad(p, _starts(s), s, m, plus=q),
+        lambda p, q, s: _xla_unpad((p.astype(jnp.float32) + q).astype(p.dtype), s, m),
         p,
+        plus,
         group_sizes,
         shapes=(p.shape, (m, p.shape[2])),
     )

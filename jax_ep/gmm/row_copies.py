@@ -85,21 +85,26 @@ def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Arr
     return _over_groups(kernel, (g, rows, d), g, rows, d, "jax_ep_pad_rows", starts, sizes, a)
 
 
-def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int) -> jax.Array:
-    """``[G, C, D]`` back to ``[m, D]``: row ``starts[g] + c`` is ``p[g, c]`` for ``c < sizes[g]``; the rows past
-    the last group are 0."""
+def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int, plus: jax.Array | None = None) -> jax.Array:
+    """``[G, C, D]`` back to ``[m, D]``: row ``starts[g] + c`` is ``p[g, c]`` (``p[g, c] + plus[g, c]`` in float32 with
+    ``plus``) for ``c < sizes[g]``; the rows past the last group are 0."""
     g, rows, d = p.shape
     bc, bd = BLOCK_ROWS, _cols(d)
 
-    def kernel(starts_ref, sizes_ref, p_ref, o_ref):
+    def kernel(starts_ref, sizes_ref, p_ref, *refs):
+        *plus_ref, o_ref = refs
         group, cb, db, c, col = _tile(d)
         start = starts_ref[group]
         held = _rows_within(c, jnp.minimum(sizes_ref[group], rows), start + c, m)
         mask = held[:, None] & (col < d)[None, :]
-        values = plt.load(p_ref.at[group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd)], mask=mask, other=0)
+        block = (group, pl.ds(cb * bc, bc), pl.ds(db * bd, bd))
+        values = plt.load(p_ref.at[block], mask=mask, other=0)
+        if plus_ref:
+            values = (values.astype(jnp.float32) + plt.load(plus_ref[0].at[block], mask=mask, other=0)).astype(p.dtype)
         plt.store(o_ref.at[pl.ds(start + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
 
-    out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, p)
+    operands = (p,) if plus is None else (p, plus)
+    out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, *operands)
     return zero_rows_from(out, jnp.sum(sizes))
 
 
