@@ -166,9 +166,9 @@ def gmm_fns(plan: gm.Plan, x, w):
     own tiles (``*_upstream``, ``*_tiles``, ``*_specialized``, where they fit), and dw's kernel alone."""
     fns = {
         "fwd": jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, plan)),
-        "dx": jax.jit(lambda dy, w, s: gm._dx(dy, w, s, plan)),
-        "dw": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan)),
-        "dw_kernel": jax.jit(lambda x, dy, s: gm._dw(x, dy, s, plan._replace(padded=None))),
+        "dx": jax.jit(lambda dy, w, s: gm.dx_op(dy, w, s, plan)),
+        "dw": jax.jit(lambda x, dy, s: gm.dw_op(x, dy, s, plan)),
+        "dw_kernel": jax.jit(lambda x, dy, s: gm.dw_op(x, dy, s, plan._replace(padded=None))),
     }
     k, n = x.shape[1], w.shape[2]
     dw_kernels = {"pipelined": plan._replace(dw=gm._pick("dw", k, n), dw_specialized=False, padded=None)}
@@ -177,13 +177,13 @@ def gmm_fns(plan: gm.Plan, x, w):
         dw_kernels["specialized"] = plan._replace(dw=specialized, dw_specialized=True, padded=None)
     for kernel, alone in dw_kernels.items():
         if alone.dw is not None:
-            fns[f"dw_{kernel}"] = jax.jit(lambda x, dy, s, p=alone: gm._dw(x, dy, s, p))
+            fns[f"dw_{kernel}"] = jax.jit(lambda x, dy, s, p=alone: gm.dw_op(x, dy, s, p))
     for kernel in gm.ROWS_KERNELS:
         alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
         if alone is not None:
             alone = alone._replace(padded=None)
             fns[f"fwd_{kernel}"] = jax.jit(lambda x, w, s, p=alone: gm.custom_grouped_matmul(x, w, s, p))
-            fns[f"dx_{kernel}"] = jax.jit(lambda dy, w, s, p=alone: gm._dx(dy, w, s, p))
+            fns[f"dx_{kernel}"] = jax.jit(lambda dy, w, s, p=alone: gm.dx_op(dy, w, s, p))
     return fns
 
 

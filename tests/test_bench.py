@@ -418,6 +418,12 @@ def test_grouped_matmul_bench_prints_every_op_it_times(groups):
     x = jax.ShapeDtypeStruct((32768, 7168), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((groups, 7168, 2048), jnp.bfloat16)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
-    timed = set(bench.gmm_fns(plan, x, w)) | set(bench.padded_fns(192)) | set(bench.padded_fns(192, "_step16"))
+    fns = bench.gmm_fns(plan, x, w)
+    timed = set(fns) | set(bench.padded_fns(192)) | set(bench.padded_fns(192, "_step16"))
     assert {"dw_pipelined", "dw_specialized"} <= timed
     assert timed <= set(bench.OPS), timed - set(bench.OPS)
+    dy = jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+    operands = {"fwd": (x, w, sizes), "dx": (dy, w, sizes), "dw": (x, dy, sizes)}
+    for name, fn in fns.items():  # each traces (on CPU too: the kernels' branch is traced, not run)
+        fn.trace(*operands[name.split("_")[0]])
