@@ -506,6 +506,18 @@ def test_mosaic_kernels_are_what_runs():
     assert " ragged-dot(" not in hlo, "XLA's ragged dot must not run"
 
 
+def routed_sizes(rng, rows: int, g: int, fit: int, skew: bool) -> np.ndarray:
+    """Sizes of ``g`` groups of ``rows`` rows routed uniformly at random; with ``skew`` group 0 takes rows from every
+    other group until it has more than ``fit``."""
+    sizes = np.bincount(rng.integers(0, g, rows), minlength=g).astype(np.int32)
+    if skew:
+        per = -(-(fit + 10 - sizes[0]) // (g - 1))
+        sizes[1:] -= per
+        sizes[0] += per * (g - 1)
+    assert sizes.sum() == rows and (sizes.max() > fit) == skew and sizes.min() >= 0
+    return sizes
+
+
 @hopper
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize(
@@ -521,12 +533,7 @@ def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
     fit = padded_rows(m, g)
     assert plan.padded == fit and plan.padded_ops == ops
     rng = np.random.default_rng(3)
-    sizes = np.bincount(rng.integers(0, g, m - 100), minlength=g).astype(np.int32)
-    if skew:  # group 0 takes rows from every other group until it no longer fits
-        per = -(-(fit + 10 - sizes[0]) // (g - 1))
-        sizes[1:] -= per
-        sizes[0] += per * (g - 1)
-    assert sizes.sum() == m - 100 and (sizes.max() > fit) == skew and sizes.min() >= 0
+    sizes = routed_sizes(rng, m - 100, g, fit, skew)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
     dy = rng.standard_normal((m, n)).astype(np.float32)

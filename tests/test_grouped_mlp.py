@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_grouped_matmul import fake_kernels, hopper
+from test_grouped_matmul import fake_kernels, hopper, routed_sizes
 
 from jax_ep.gmm import grouped_matmul as gm
 from jax_ep.gmm import mlp as gmlp
@@ -197,14 +197,8 @@ def test_mosaic_grouped_mlp_at_256_groups(skew):
     """The real kernels and row copies: one conditional each way (the per-op path has nine), and the output and
     gradients match the float32 MLP of ragged_dot, whichever branch runs."""
     m, h, f, g = 32768, 256, 128, 256
-    rows = padded.padded_rows(m, g)
     rng = np.random.default_rng(3)
-    sizes = np.bincount(rng.integers(0, g, m - 100), minlength=g).astype(np.int32)
-    if skew:  # group 0 takes rows from every other group until it no longer fits
-        per = -(-(rows + 10 - sizes[0]) // (g - 1))
-        sizes[1:] -= per
-        sizes[0] += per * (g - 1)
-    assert (sizes.max() > rows) == skew and sizes.min() >= 0
+    sizes = routed_sizes(rng, m - 100, g, padded.padded_rows(m, g), skew)
     x, dy = rng.standard_normal((2, m, h)).astype(np.float32)
     x[-100:], dy[-100:] = np.nan, np.nan
     shapes = {"w_gate": (g, h, f), "w_in": (g, h, f), "w_out": (g, f, h)}
