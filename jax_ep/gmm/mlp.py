@@ -1,15 +1,15 @@
 """The experts' MLP, ``act(x @ w_gate) * (x @ w_in) @ w_out`` (gated) or ``act(x @ w_in) @ w_out``, over groups of rows.
 
-:func:`grouped_mlp` runs it with :func:`jax_ep.grouped_matmul`, except where the grouped matmul would take its padded
-dense path (:mod:`jax_ep.gmm.padded`) for all nine of its ops (the forward pass, ``dx`` and ``dw`` of three
+:func:`grouped_mlp` runs it with :func:`jax_ep.grouped_matmul`, except where the grouped matmul would take its
+padded dense path (:mod:`jax_ep.gmm.padded`) for all nine of its ops (the forward pass, ``dx`` and ``dw`` of three
 matmuls): there it takes that path once for the whole MLP, under one conditional in each pass. ``x`` and the
 output's cotangent go into groups once, the activation runs on the padded rows, and one unpad goes each way (the
-backward pass's sums the two parts of ``dx`` as it copies), where the nine ops would each pad and unpad their own
-operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the smallest of a
-few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs multiply fewer
-padding rows than the ops' single size, or the kernels when no size fits. It is a ``jax.custom_vjp`` whose
-residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every branch,
-zeros from the untaken ones.
+backward pass's unpad sums the two parts of ``dx`` as it copies them), where the nine ops would each pad and unpad
+their own operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the
+smallest of a few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs
+multiply fewer padding rows than the ops' single size, or the kernels when no size fits. It is a ``jax.custom_vjp``
+whose residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every
+branch, zeros from the untaken ones.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .vma import vary_like
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 # The ops of one matmul that must all take the padded path for grouped_mlp to take it once.
 ALL_OPS = ("fwd", "dx", "dw")
-# False runs every op on its own everywhere (bench/moe_layer_baselines.py --per-op times both).
+# False runs every op on its own everywhere (bench/moe_layer_baselines.py --ablate times both).
 FUSED = True
 
 
