@@ -129,6 +129,58 @@ def test_grouped_mlp_fuses_only_where_every_op_is_padded(monkeypatch):
     assert not fused(32768, 7168, 2048, 256)
 
 
+def numpy_swiglu_step(x, w, sizes, dy):
+    """y, dx and the weights' gradients of the gated SwiGLU MLP, group by group in float32 NumPy."""
+    x, dy = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+    w = {n: np.asarray(v, np.float32) for n, v in w.items()}
+    y, dx = np.zeros_like(x), np.zeros_like(x)
+    grads = {n: np.zeros_like(v) for n, v in w.items()}
+    start = 0
+    for group, size in enumerate(sizes):
+        r = slice(start, start + int(size))
+        gate, up = x[r] @ w["w_gate"][group], x[r] @ w["w_in"][group]
+        sig = 1 / (1 + np.exp(-gate))
+        hidden = gate * sig * up
+        y[r] = hidden @ w["w_out"][group]
+        d_hidden = dy[r] @ w["w_out"][group].T
+        d_up, d_gate = d_hidden * gate * sig, d_hidden * up * sig * (1 + gate * (1 - sig))
+        dx[r] = d_gate @ w["w_gate"][group].T + d_up @ w["w_in"][group].T
+        grads["w_out"][group] = hidden.T @ dy[r]
+        grads["w_gate"][group], grads["w_in"][group] = x[r].T @ d_gate, x[r].T @ d_up
+        start += int(size)
+    return y, dx, grads
+
+
+def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
+    """grouped_mlp itself at 256 groups (as on a Hopper GPU, with the kernels faked): M = 32772 rows go to the
+    custom VJP padded to a multiple of 8, the ladder is (160, 176, 192), the largest group has 164 rows (a size
+    that dropped rows would show), and every group's output and gradients are its own MLP's."""
+    fake_kernels(monkeypatch, [])
+    monkeypatch.setattr(gm, "hopper_available", lambda: True)
+    m, h, f, g = 32772, 64, 64, 256
+    assert padded.row_ladder(m, g) == (160, 176, 192)
+    rng = np.random.default_rng(3)
+    sizes = routed_sizes(rng, m - 100, g, 176, skew=False)
+    assert sizes.max() == 164
+    x, dy = (jnp.asarray(a, jnp.bfloat16) for a in rng.standard_normal((2, m, h)))
+    shapes = {"w_gate": (g, h, f), "w_in": (g, h, f), "w_out": (g, f, h)}
+    w = {n: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.bfloat16) for n, shape in shapes.items()}
+
+    @jax.jit
+    def step(x, w, sizes, dy):
+        y, pullback = jax.vjp(lambda a, b: gmlp.grouped_mlp(a, b, sizes), x, w)
+        return y, *pullback(dy)
+
+    jaxpr = str(jax.make_jaxpr(step)(x, w, jnp.asarray(sizes), dy))
+    assert jaxpr.count("cond[") == 2 and "32776" in jaxpr, "one switch a pass, over rows padded to 32776"
+    y, dx, grads = step(x, w, jnp.asarray(sizes), dy)
+    s = int(sizes.sum())
+    y_ref, dx_ref, grads_ref = numpy_swiglu_step(x, w, sizes, dy)
+    for name, got, want in [("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref)] + [(n, grads[n], grads_ref[n]) for n in w]:
+        got = np.asarray(got, np.float32)
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()), err_msg=name)
+
+
 def test_grouped_mlp_without_hopper_is_the_mlp_of_ragged_dot():
     if gm.hopper_available():
         pytest.skip("on a Hopper GPU grouped_mlp runs the kernels (tested below)")
