@@ -2,7 +2,10 @@
 # On a machine with one Hopper GPU: the grouped matmul's GPU tests and benchmark (and, with SWEEP=1, the tile sweep),
 # then the MoE layer profile; results under $OUT, a short table last. One device call: each step has a time limit,
 # and without the sweep they add up to 560 s (at 71d5c64 the benchmark took 130 s and the profile 45 s).
-#   JAX_EP_COMMIT=<sha> [SWEEP=1] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] bash bench/device_run_grouped_matmul.sh
+# With LAYER=1 the benchmark and profile give way to the layer beside its baselines (performance.md's layer tables;
+# at 3f966bc 185 s on one H200) and its profile at E=256 and E=32 without a shared expert.
+#   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
+#     bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
 # run from the source tree (they need no extension). If the build fails the profile runs with backend "xla" and
 # says so in its JSON. Files in $OUT: grouped_matmul_tests.json, grouped_matmul_sweep.json, grouped_matmul.json,
@@ -29,15 +32,16 @@ step() {  # NAME SECONDS COMMAND...
 }
 export PYTHONPATH=$repo
 step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python bench/gpu_tests.py \
-OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_row_copies.py${TESTS_K:+ -k '$TESTS_K'}" \
-  python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" "$repo/tests/test_grouped_matmul.py" \
-  "$repo/tests/test_row_copies.py" ${TESTS_K:+-k "$TESTS_K"}
+OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_grouped_mlp.py tests/test_row_copies.py\
+${TESTS_K:+ -k '$TESTS_K'}" python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" \
+  "$repo/tests/test_grouped_matmul.py" "$repo/tests/test_grouped_mlp.py" "$repo/tests/test_row_copies.py" \
+  ${TESTS_K:+-k "$TESTS_K"}
 if [ "${SWEEP:-0}" = 1 ]; then
   step grouped_matmul_sweep 120 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul_sweep.json \
 --sweep --budget-s 80 --iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul_sweep.json" \
     --sweep --budget-s 80 --iters 10
 fi
-step grouped_matmul 200 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul.json --no-ragged-dot \
+[ "${LAYER:-0}" = 1 ] || step grouped_matmul 200 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul.json --no-ragged-dot \
 --iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul.json" --no-ragged-dot --iters 10
 
 wait $build
@@ -51,13 +55,30 @@ if [ "$(cat "$OUT/build.rc")" = 0 ]; then
 else
   echo "the CUDA extension did not build (build.log): the MoE profile runs with backend xla"
 fi
-step moe_layer 160 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer.json --backend $backend" \
-  python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer.json" --backend "$backend"
+if [ "${LAYER:-0}" = 1 ]; then
+  export PYTHONPATH=$PYTHONPATH:${WHEELS:-}  # WHEELS: where tokamax and its dependencies are installed
+  step moe_layer_baselines 260 env JAX_EP_COMMAND="pip install '.[bench]'; python bench/moe_layer_baselines.py \
+OUT/moe_layer_baselines.json --iters 5 --ablate" python3 "$repo/bench/moe_layer_baselines.py" \
+    "$OUT/moe_layer_baselines.json" --iters 5 --ablate
+  for e in 256 32; do
+    step "moe_layer_e$e" 70 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer_e$e.json --backend \
+$backend --experts $e --shared 0 --steps 3" python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer_e$e.json" \
+      --backend "$backend" --experts "$e" --shared 0 --steps 3
+  done
+else
+  step moe_layer 160 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer.json --backend $backend" \
+    python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer.json" --backend "$backend"
+fi
 
 echo
 grep -E "passed|failed" "$OUT/grouped_matmul_tests.log" | tail -2
 grep -E "^(FAILED|ERROR)" "$OUT/grouped_matmul_tests.log" | head -10
 [ -f "$OUT/grouped_matmul_sweep.log" ] && sed -n '/best tiles/,$p' "$OUT/grouped_matmul_sweep.log"
-sed -n '/^wrote/,$p' "$OUT/grouped_matmul.log"
-sed -n '/^wrote/,$p' "$OUT/moe_layer.log"
-tail -5 "$OUT/moe_layer.log"
+for name in grouped_matmul moe_layer; do
+  [ -f "$OUT/$name.log" ] && sed -n '/^wrote/,$p' "$OUT/$name.log"
+done
+[ -f "$OUT/moe_layer_baselines.log" ] && sed -n '/^backend/,$p' "$OUT/moe_layer_baselines.log"
+for e in 256 32; do
+  [ -f "$OUT/moe_layer_e$e.log" ] && grep -E "^MoE step|GEMM" "$OUT/moe_layer_e$e.log"
+done
+true  # the table above is the result; each step's exit code is in its line
