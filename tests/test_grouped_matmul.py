@@ -218,11 +218,7 @@ def fake_kernels(monkeypatch, seen):
     rc = padded._row_copies
     if rc is not None:  # None with a jax without Pallas Triton: the copies are XLA's already
         monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows))
-
-        def unpad(p, starts, sizes, m, plus=None):
-            p = p if plus is None else (p.astype(jnp.float32) + plus).astype(p.dtype)
-            return padded._xla_unpad(p, sizes, m)
-
+        unpad = lambda p, starts, sizes, m, plus=None: padded._xla_unpad(padded.summed(p, plus), sizes, m)  # noqa: E731
         monkeypatch.setattr(rc, "unpad", unpad)
         zero = lambda a, first: jnp.where(jnp.arange(a.shape[0])[:, None] < first, a, 0)  # noqa: E731
         monkeypatch.setattr(rc, "zero_rows_from", zero)

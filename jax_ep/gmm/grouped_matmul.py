@@ -18,7 +18,7 @@ from jax import lax
 
 from .._validate import check_array, check_choice
 from . import padded as _padded
-from .vma import vary_like, varying_axes
+from .vma import varying_axes, varying_like_inputs
 
 try:
     from . import mosaic as _mosaic
@@ -278,13 +278,7 @@ def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows:
     if blocks is None:
         return xla(*args)
 
-    def varying(fn):
-        def run(*args):
-            # A Pallas call's output is not marked varying over shard_map's axes; XLA's op's is.
-            return vary_like(fn(*args), *args)
-
-        return run
-
+    varying = varying_like_inputs
     kernel = varying(mosaic)
     if padded is not None and rows is not None:
         dense = varying(lambda *a: padded(*a, rows))
@@ -340,12 +334,17 @@ def custom_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, pl
     group, so they reach nothing; autodiff of the slice pads the output's cotangent with zero rows the
     same way, and the padding rows of ``dx`` are sliced off.
     """
+    return with_rows_padded(lambda rows: _custom_grouped_matmul(rows, w, group_sizes, plan), x)
+
+
+def with_rows_padded(fn, x: jax.Array) -> jax.Array:
+    """``fn(x)``, with ``x`` given zero rows up to a multiple of :data:`ROW_MULTIPLE` first where it needs them and the
+    output sliced back to ``x``'s rows."""
     m = x.shape[0]
     pad = -m % ROW_MULTIPLE
     if not pad:
-        return _custom_grouped_matmul(x, w, group_sizes, plan)
-    y = _custom_grouped_matmul(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes, plan)
-    return y[:m]
+        return fn(x)
+    return fn(jnp.pad(x, ((0, pad), (0, 0))))[:m]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

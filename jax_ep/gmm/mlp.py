@@ -24,7 +24,7 @@ from jax import lax
 from .._validate import check_array, check_choice
 from . import grouped_matmul as _gm
 from . import padded as _padded
-from .vma import vary_like
+from .vma import varying_like_inputs
 
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 # The ops of one matmul that must all take the padded path for grouped_mlp to take it once.
@@ -65,11 +65,9 @@ def grouped_mlp(
     plans = _fused_plans(x, w, impl)
     if plans is None:
         return mlp(x, w, functools.partial(_gm.grouped_matmul, group_sizes=group_sizes, impl=impl), activation)
-    m = x.shape[0]
-    pad = -m % _gm.ROW_MULTIPLE  # the kernels' row multiple; the padding rows lie past every group
-    xs = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    with jax.named_scope("grouped_mlp"):
-        return fused_mlp(xs, w, group_sizes, activation, plans, _padded.row_ladder(m, group_sizes.shape[0]))[:m]
+    ladder = _padded.row_ladder(x.shape[0], group_sizes.shape[0])
+    with jax.named_scope("grouped_mlp"):  # the padding rows for the kernels lie past every group
+        return _gm.with_rows_padded(lambda rows: fused_mlp(rows, w, group_sizes, activation, plans, ladder), x)
 
 
 def _check(x: jax.Array, weights: dict[str, jax.Array], group_sizes: jax.Array, impl: str) -> None:
@@ -116,8 +114,7 @@ def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
     """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits, or
     ``ragged(*args)`` (the kernels) when none does; elsewhere ``ragged`` (XLA's ops)."""
 
-    def varying(fn):
-        return lambda *a: jax.tree.map(lambda v: vary_like(v, *jax.tree.leaves(a)), fn(*a))
+    varying = varying_like_inputs
 
     def on_gpu(*a):
         index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(a[2]))  # len(ladder) where none fits

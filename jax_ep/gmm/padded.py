@@ -98,22 +98,19 @@ def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
 def unpad(p: jax.Array, group_sizes: jax.Array, m: int, plus: jax.Array | None = None) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0. With ``plus`` (``p``'s shape
     and dtype) the rows of ``p + plus``, summed in float32 as they are copied."""
-    if plus is None:
-        return _row_copy(
-            lambda p, s: _row_copies.unpad(p, _starts(s), s, m),
-            lambda p, s: _xla_unpad(p, s, m),
-            p,
-            group_sizes,
-            shapes=(p.shape, (m, p.shape[2])),
-        )
     return _row_copy(
-        lambda p, q, s: _row_copies.unpad(p, _starts(s), s, m, plus=q),
-        lambda p, q, s: _xla_unpad((p.astype(jnp.float32) + q).astype(p.dtype), s, m),
+        lambda p, s, *plus: _row_copies.unpad(p, _starts(s), s, m, *plus),
+        lambda p, s, *plus: _xla_unpad(summed(p, *plus), s, m),
         p,
-        plus,
         group_sizes,
+        *(() if plus is None else (plus,)),
         shapes=(p.shape, (m, p.shape[2])),
     )
+
+
+def summed(p: jax.Array, plus: jax.Array | None = None) -> jax.Array:
+    """``p + plus`` in float32, rounded once to ``p``'s dtype (``p`` without ``plus``)."""
+    return p if plus is None else (p.astype(jnp.float32) + plus).astype(p.dtype)
 
 
 def _xla_unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
