@@ -278,10 +278,9 @@ def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows:
     if blocks is None:
         return xla(*args)
 
-    varying = varying_like_inputs
-    kernel = varying(mosaic)
+    kernel = varying_like_inputs(mosaic)
     if padded is not None and rows is not None:
-        dense = varying(lambda *a: padded(*a, rows))
+        dense = varying_like_inputs(lambda *a: padded(*a, rows))
         on_gpu = lambda *a: lax.cond(_padded.fits(a[2], rows), dense, kernel, *a)  # noqa: E731
     else:
         on_gpu = kernel

@@ -114,14 +114,12 @@ def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
     """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits, or
     ``ragged(*args)`` (the kernels) when none does; elsewhere ``ragged`` (XLA's ops)."""
 
-    varying = varying_like_inputs
-
     def on_gpu(*a):
         index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(a[2]))  # len(ladder) where none fits
-        padded_branches = [varying(lambda *b, rows=rows: padded(*b, rows)) for rows in ladder]
-        return lax.switch(index, [*padded_branches, varying(ragged)], *a)
+        padded_branches = [varying_like_inputs(lambda *b, rows=rows: padded(*b, rows)) for rows in ladder]
+        return lax.switch(index, [*padded_branches, varying_like_inputs(ragged)], *a)
 
-    return lax.platform_dependent(*args, cuda=on_gpu, default=varying(ragged))
+    return lax.platform_dependent(*args, cuda=on_gpu, default=varying_like_inputs(ragged))
 
 
 def _forward(x, w, group_sizes, activation, plans, ladder):
