@@ -20,7 +20,8 @@ runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
 (``jax_ep.gmm.padded.LADDER_SIZES = 1``). Time per step: the median of 5 batches of back-to-back steps after 2
 warm-ups, each batch ended by ``block_until_ready`` (bench/grouped_matmul.py's ``time_call``). The ratios are taken
-in this run: each row against ``dense``, and ``sort_tokamax`` against ``moe``. TFLOP/s counts the experts' matmul
+in this run: each row against ``dense``, and ``sort_tokamax`` against ``moe``. ``--rows`` times only the rows
+named (``dense`` always), and OUT.json records the run's ``XLA_FLAGS``. TFLOP/s counts the experts' matmul
 FLOPs of a step (3 matmuls forward, 6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
 """
 
@@ -48,6 +49,7 @@ from jax_ep.bench.record import provenance, write  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grouped_matmul import time_call  # noqa: E402
 
+ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
 # --ablate's rows: (name, module, attribute, value while timed).
 ABLATIONS = (
     ("moe_per_op", jax_ep.gmm.mlp, "FUSED", False),
@@ -64,6 +66,7 @@ def parse_args():
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10, help="steps per timed batch")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to time (dense always)")
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
     parser.add_argument(
         "--ablate", action="store_true", help="also time the layer's expert MLP per op, and with one padded size"
@@ -167,6 +170,10 @@ def main() -> None:
     x = jax.random.normal(key, (t, h)).astype(jnp.bfloat16)
     c = jax.random.normal(jax.random.key(1), (t, h))
     flops = 9 * 2 * t * k * h * f
+    remats = (None, "full", "handle", "rows") if args.remat else (None,)
+    ablations = ABLATIONS if args.ablate else ()
+    if "moe" not in args.rows:
+        remats, ablations = (), ()
     rows = []
     for experts in args.experts:
         arrays = weights(jax.random.key(2), experts, h, f)
@@ -175,10 +182,10 @@ def main() -> None:
         if backend == "cuda":
             jax_ep.initialize(mesh, "ep", num_tokens=t, hidden=h, topk=k, num_experts=experts, dtype=jnp.bfloat16)
         try:
-            for remat in (None, "full", "handle", "rows") if args.remat else (None,):
+            for remat in remats:
                 step, params = moe_step(mesh, args, experts, remat, arrays)
                 times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
-            for name, module, attribute, value in ABLATIONS if args.ablate else ():
+            for name, module, attribute, value in ablations:
                 kept = getattr(module, attribute)
                 setattr(module, attribute, value)
                 try:
@@ -194,10 +201,13 @@ def main() -> None:
         cd = jax.random.normal(jax.random.key(1), (experts, per_expert, h))
         times["dense"] = time_call(training_step(dense_floor), (xd, w_gate, w_in, w_out, cd), args.iters)
         recipe_args = (x, w_router, w_gate, w_in, w_out, c)
-        times["sort_jax_ep"] = time_call(
-            training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k)), recipe_args, args.iters
-        )
-        if tokamax_dot is not None:
+        if "sort_jax_ep" in args.rows:
+            times["sort_jax_ep"] = time_call(
+                training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k)),
+                recipe_args,
+                args.iters,
+            )
+        if tokamax_dot is not None and "sort_tokamax" in args.rows:
             times["sort_tokamax"] = time_call(training_step(sorted_recipe(tokamax_dot, k)), recipe_args, args.iters)
         sizes = jnp.bincount(router(x, w_router, k)[1].reshape(-1), length=experts)
         row = {
@@ -207,12 +217,13 @@ def main() -> None:
             "expert_tflops": {name: flops / s / 1e12 for name, s in times.items()},
             "over_dense": {name: s / times["dense"] for name, s in times.items()},
         }
-        if "sort_tokamax" in times:
+        if "sort_tokamax" in times and "moe" in times:
             row["tokamax_over_moe"] = times["sort_tokamax"] / times["moe"]
         rows.append(row)
     payload = {
         **provenance("python bench/moe_layer_baselines.py " + " ".join(sys.argv[1:])),
         "backend": backend,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "shape": {"tokens": t, "hidden": h, "intermediate": f, "topk": k, "dtype": "bfloat16"},
         "tokamax": tokamax_missing or __import__("tokamax").__version__,
         "rows": rows,

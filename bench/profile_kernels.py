@@ -161,29 +161,41 @@ def op_of(kernel: str) -> str | None:
     return None
 
 
-def read_kernels(csv_path: Path) -> list[dict]:
-    """Every profiled kernel, in launch order, with its device time in µs (ncu --csv --print-units base)."""
+def read_kernel_metrics(csv_path: Path) -> list[dict]:
+    """Every profiled kernel, in launch order, with each of its metrics by name (ncu --csv --print-units base);
+    a value that is not a number is kept as text."""
     text = csv_path.read_text(errors="replace")
     if '"ID"' not in text:
         raise ValueError(f"{csv_path} holds no ncu CSV table (no '\"ID\"' header)")
-    rows = csv.DictReader(text[text.index('"ID"') :].splitlines())
-    kernels = []
-    for row in rows:
-        if row.get("Metric Name") != "gpu__time_duration.sum":
+    kernels: dict[str, dict] = {}
+    for row in csv.DictReader(text[text.index('"ID"') :].splitlines()):
+        if not row.get("Metric Name"):
             continue
-        try:
-            ns = float(str(row["Metric Value"]).replace(",", ""))
-        except ValueError:
-            continue
-        kernels.append(
+        kernel = kernels.setdefault(
+            row["ID"],
             {
                 "kernel": row["Kernel Name"],
                 "name": function_name(row["Kernel Name"]),
                 "grid": row.get("Grid Size", ""),
                 "block": row.get("Block Size", ""),
-                "us": ns / 1e3,
-            }
+                "metrics": {},
+            },
         )
+        value = str(row["Metric Value"])
+        try:
+            kernel["metrics"][row["Metric Name"]] = float(value.replace(",", ""))
+        except ValueError:
+            kernel["metrics"][row["Metric Name"]] = value
+    return list(kernels.values())
+
+
+def read_kernels(csv_path: Path) -> list[dict]:
+    """Every profiled kernel, in launch order, with its device time in µs (ncu --csv --print-units base)."""
+    kernels = []
+    for k in read_kernel_metrics(csv_path):
+        ns = k.pop("metrics").get("gpu__time_duration.sum")
+        if isinstance(ns, float):
+            kernels.append({**k, "us": ns / 1e3})
     return kernels
 
 

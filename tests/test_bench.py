@@ -111,15 +111,18 @@ def test_time_backend_passes_partial_dtype():
     assert inspect.signature(time_backend).parameters["partial_dtype"].default is None
 
 
-def _ncu_csv(path: Path, calls: list[list[tuple[str, float]]]) -> None:
-    """An ncu --csv --print-units base log of these kernels (name, µs), after a line of ncu's own."""
+def _ncu_csv(path: Path, calls: list[list[tuple]]) -> None:
+    """An ncu --csv --print-units base log of these kernels, after a line of ncu's own: each kernel is
+    ``(name, µs)`` or ``(name, µs, {metric: value})``."""
     columns = ["ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit"]
     lines = ["==PROF== Connected to process 1", ",".join(f'"{c}"' for c in [*columns, "Metric Value"])]
     kernels = [k for call in calls for k in call]
-    for i, (name, us) in enumerate(kernels):
-        cells = [str(i), name, "(1024, 1, 1)", "(132, 1, 1)", "Command line profiler metrics"]
-        cells += ["gpu__time_duration.sum", "ns", f"{us * 1000:,.0f}"]
-        lines.append(",".join(f'"{c}"' for c in cells))
+    for i, (name, us, *more) in enumerate(kernels):
+        metrics = {"gpu__time_duration.sum": f"{us * 1000:,.0f}", **(more[0] if more else {})}
+        for metric, value in metrics.items():
+            cells = [str(i), name, "(1024, 1, 1)", "(132, 1, 1)", "Command line profiler metrics"]
+            cells += [metric, "", value]
+            lines.append(",".join(f'"{c}"' for c in cells))
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -404,6 +407,32 @@ def test_feature_costs_cpu_dry_run(tmp_path):
         assert split["ratio"] == split["split_us"] / split["whole_us"]
     assert row["fp8"]["bf16_dispatch_us"] > 0 and row["fp8"]["fp8_dispatch_us"] > 0
     assert "split + mm us" in done.stdout
+
+
+def test_grouped_matmul_ncu_summary_pairs_each_op_with_its_einsum(tmp_path):
+    """bench/grouped_matmul_ncu.py: the kernels after each marker are one op of one side, in run()'s order; every
+    metric is read; a profile with a marker missing is an error, not a shifted table."""
+    ncu = _script("grouped_matmul_ncu")
+    tensor = ncu.METRICS["tensor_active_pct"]
+    marker = [("wrapped_cbrt", 0.5)]
+    calls = [[("random_bits_fusion", 9.0)]]
+    for op, (ours, theirs) in {"fwd": (1500.0, 1300.0), "dx": (1650.0, 1310.0), "dw": (1750.0, 1320.0)}.items():
+        calls += [marker, [("memset", 2.0), (f"mosaic_{op}", ours, {tensor: "71.5"})]]
+        calls += [marker, [(f"nvjet_{op}", theirs, {tensor: "88.25", "launch__grid_size": "132"})]]
+    _ncu_csv(tmp_path / "k.csv", calls)
+    assert ncu.summarize(tmp_path / "k.csv", tmp_path / "k.json", (32768, 7168, 2048, 32)) == 0
+
+    result = json.loads((tmp_path / "k.json").read_text())
+    fwd = result["ops"]["fwd"]
+    assert fwd["jax_ep"]["us"] == 1502.0 and [k["name"] for k in fwd["jax_ep"]["kernels"]] == ["memset", "mosaic_fwd"]
+    assert fwd["jax_ep"]["main_kernel"]["tensor_active_pct"] == 71.5
+    assert fwd["jax_ep"]["tflops"] == 2 * 32768 * 7168 * 2048 / 1502e6
+    assert fwd["einsum"]["main_kernel"]["name"] == "nvjet_fwd" and fwd["einsum"]["main_kernel"]["grid"] == 132.0
+    assert result["ops"]["dw"]["einsum"]["us"] == 1320.0
+
+    _ncu_csv(tmp_path / "k.csv", calls[2:])  # the first marker lost
+    assert ncu.summarize(tmp_path / "k.csv", tmp_path / "k.json", (32768, 7168, 2048, 32)) == 1
+    assert "marker" in json.loads((tmp_path / "k.json").read_text())["error"]
 
 
 @pytest.mark.parametrize("groups", [32, 256])
