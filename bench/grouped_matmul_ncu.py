@@ -1,8 +1,10 @@
 """Nsight Compute metrics of jax_ep.grouped_matmul's kernels beside the dense einsum's (cuBLAS), on one GPU.
 
     python bench/grouped_matmul_ncu.py run [--shape M,K,N,G]   # compiles, and fills JAX's compilation cache
-    ncu --clock-control none --cache-control all --metrics $(python bench/grouped_matmul_ncu.py metrics) \\
-        --csv --print-units base --log-file K.csv python bench/grouped_matmul_ncu.py run [--shape M,K,N,G]
+    ncu --query-metrics > QUERY.txt
+    ncu --clock-control none --cache-control all --section LaunchStats \\
+        --metrics $(python bench/grouped_matmul_ncu.py metrics QUERY.txt) --csv --print-units base \\
+        --log-file K.csv python bench/grouped_matmul_ncu.py run [--shape M,K,N,G]
     python bench/grouped_matmul_ncu.py summarize K.csv OUT.json [--shape M,K,N,G]
 
 ``run`` calls, once each and in this order, bench/grouped_matmul.py's ``fwd``, ``dx`` and ``dw`` (the custom
@@ -10,14 +12,16 @@ VJP's ops with the path ``plan_for`` gives them, random group sizes) and the den
 call after a marker kernel (a jitted ``jnp.cbrt``). JAX's persistent compilation cache (``--cache-dir``) lets the
 second run, under ncu, load what the first compiled: no autotuning kernels run under the profiler, and both runs
 take the same cuBLAS algorithms. ``summarize`` keeps the kernels after each marker and gives, per op and side,
-the device time, TFLOP/s of the useful FLOPs (``2*M*K*N``), the tensor pipe's active cycles (wgmma), the SM and
-DRAM throughputs and bytes, and the launch shape. Caches are flushed before each kernel; clocks are left alone.
+the device time, TFLOP/s of the useful FLOPs (``2*M*K*N``), the tensor pipe's active cycles, the SM and DRAM
+throughputs and bytes, the launch shape, and the six commonest reasons its warps stalled (% of active warps).
+Caches are flushed before each kernel; clocks are left alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,20 +31,36 @@ from profile_kernels import read_kernel_metrics  # noqa: E402
 MARKER = "cbrt"
 OPS = ("fwd", "dx", "dw")
 SIDES = ("jax_ep", "einsum")
-METRICS = {  # name in the JSON: ncu metric
+METRICS = {  # name in the JSON: ncu metric, or the metrics to try in turn (the first that the chip has)
     "us": "gpu__time_duration.sum",
-    "tensor_active_pct": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "tensor_active_pct": (
+        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    ),
     "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "sm_active_pct": "sm__cycles_active.avg.pct_of_peak_sustained_elapsed",
     "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
     "dram_read_bytes": "dram__bytes_read.sum",
     "dram_write_bytes": "dram__bytes_write.sum",
     "l2_hit_pct": "lts__t_sector_hit_rate.pct",
-    "registers": "launch__registers_per_thread",
-    "shared_bytes": "launch__shared_mem_per_block_dynamic",
-    "grid": "launch__grid_size",
-    "block": "launch__block_size",
+    "grid": "Grid Size",  # LaunchStats section
+    "registers": "Registers Per Thread",
+    "shared_bytes": "Dynamic Shared Memory Per Block",
 }
+STALLS = re.compile(r"smsp__warp_issue_stalled_(\w+)_per_warp_active\.pct")  # % of active warps, by reason
+
+
+def metric_list(available: str) -> list[str]:
+    """The ncu metrics to ask for on a chip whose ``ncu --query-metrics`` output is ``available``: of each entry
+    of METRICS the first whose base name it lists (section rows are left to --section), and the stall reasons."""
+    names = set(re.findall(r"[a-z0-9_]+__[a-z0-9_]+", available))
+    chosen = []
+    for entry in METRICS.values():
+        candidates = (entry,) if isinstance(entry, str) else entry
+        found = [c for c in candidates if "__" in c and c.split(".")[0] in names]
+        chosen += found[:1]
+    chosen += sorted(f"{n}.pct" for n in names if STALLS.fullmatch(f"{n}.pct"))
+    return chosen
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -92,11 +112,16 @@ def split_by_marker(kernels: list[dict]) -> dict:
 
 def kernel_row(kernel: dict) -> dict:
     row = {"name": kernel["name"], "kernel": kernel["kernel"][:200]}
-    for key, metric in METRICS.items():
-        if metric in kernel["metrics"]:
-            row[key] = kernel["metrics"][metric]
+    metrics = kernel["metrics"]
+    for key, entry in METRICS.items():
+        found = [m for m in ((entry,) if isinstance(entry, str) else entry) if m in metrics]
+        if found:
+            row[key] = metrics[found[0]]
     if "us" in row:
         row["us"] /= 1e3  # ncu gives ns
+    stalls = {m.group(1): v for name, v in metrics.items() if (m := STALLS.fullmatch(name)) and isinstance(v, float)}
+    if stalls:
+        row["stalls_pct"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
     return row
 
 
@@ -152,12 +177,12 @@ def table(payload: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("run", "summarize", "metrics"))
-    parser.add_argument("paths", nargs="*", type=Path, help="summarize: K.csv OUT.json")
+    parser.add_argument("paths", nargs="*", type=Path, help="summarize: K.csv OUT.json; metrics: QUERY.txt")
     parser.add_argument("--shape", type=parse_shape, default=(32768, 7168, 2048, 32), help="M,K,N,G")
     parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "jax_ep_ncu_cache")
     args = parser.parse_args()
-    if args.mode == "metrics":
-        print(",".join(METRICS.values()))
+    if args.mode == "metrics":  # paths: the output of ncu --query-metrics
+        print(",".join(metric_list(args.paths[0].read_text() if args.paths else "")))
     elif args.mode == "run":
         run(args.shape, args.cache_dir)
     elif len(args.paths) != 2:

@@ -413,12 +413,13 @@ def test_grouped_matmul_ncu_summary_pairs_each_op_with_its_einsum(tmp_path):
     """bench/grouped_matmul_ncu.py: the kernels after each marker are one op of one side, in run()'s order; every
     metric is read; a profile with a marker missing is an error, not a shifted table."""
     ncu = _script("grouped_matmul_ncu")
-    tensor = ncu.METRICS["tensor_active_pct"]
+    tensor = ncu.METRICS["tensor_active_pct"][1]
+    stall = "smsp__warp_issue_stalled_barrier_per_warp_active.pct"
     marker = [("wrapped_cbrt", 0.5)]
     calls = [[("random_bits_fusion", 9.0)]]
     for op, (ours, theirs) in {"fwd": (1500.0, 1300.0), "dx": (1650.0, 1310.0), "dw": (1750.0, 1320.0)}.items():
-        calls += [marker, [("memset", 2.0), (f"mosaic_{op}", ours, {tensor: "71.5"})]]
-        calls += [marker, [(f"nvjet_{op}", theirs, {tensor: "88.25", "launch__grid_size": "132"})]]
+        calls += [marker, [("memset", 2.0), (f"mosaic_{op}", ours, {tensor: "71.5", stall: "12.5"})]]
+        calls += [marker, [(f"nvjet_{op}", theirs, {tensor: "88.25", "Grid Size": "132"})]]
     _ncu_csv(tmp_path / "k.csv", calls)
     assert ncu.summarize(tmp_path / "k.csv", tmp_path / "k.json", (32768, 7168, 2048, 32)) == 0
 
@@ -426,9 +427,18 @@ def test_grouped_matmul_ncu_summary_pairs_each_op_with_its_einsum(tmp_path):
     fwd = result["ops"]["fwd"]
     assert fwd["jax_ep"]["us"] == 1502.0 and [k["name"] for k in fwd["jax_ep"]["kernels"]] == ["memset", "mosaic_fwd"]
     assert fwd["jax_ep"]["main_kernel"]["tensor_active_pct"] == 71.5
+    assert fwd["jax_ep"]["main_kernel"]["stalls_pct"] == {"barrier": 12.5}
     assert fwd["jax_ep"]["tflops"] == 2 * 32768 * 7168 * 2048 / 1502e6
     assert fwd["einsum"]["main_kernel"]["name"] == "nvjet_fwd" and fwd["einsum"]["main_kernel"]["grid"] == 132.0
     assert result["ops"]["dw"]["einsum"]["us"] == 1320.0
+
+    # The metrics asked for: what the chip lists, the first tensor-pipe metric it has, its stall reasons.
+    query = "sm__throughput  x\nsm__pipe_tensor_cycles_active  y\nsmsp__warp_issue_stalled_barrier_per_warp_active z"
+    assert ncu.metric_list(query) == [
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        stall,
+    ]
 
     _ncu_csv(tmp_path / "k.csv", calls[2:])  # the first marker lost
     assert ncu.summarize(tmp_path / "k.csv", tmp_path / "k.json", (32768, 7168, 2048, 32)) == 1
