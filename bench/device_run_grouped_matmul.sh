@@ -4,7 +4,7 @@
 # and without the sweep they add up to 560 s (at 71d5c64 the benchmark took 130 s and the profile 45 s).
 # With LAYER=1 the benchmark and profile give way to the layer beside its baselines (performance.md's layer tables;
 # at 3f966bc 185 s on one H200) and its profile at E=256 and E=32 without a shared expert.
-#   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
+#   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [TESTS=0] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
 #     bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
 # run from the source tree (they need no extension). If the build fails the profile runs with backend "xla" and
@@ -31,7 +31,7 @@ step() {  # NAME SECONDS COMMAND...
   echo "[${SECONDS} s] $name: exit $rc"
 }
 export PYTHONPATH=$repo
-step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python bench/gpu_tests.py \
+[ "${TESTS:-1}" = 0 ] || step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python bench/gpu_tests.py \
 OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_grouped_mlp.py tests/test_row_copies.py\
 ${TESTS_K:+ -k '$TESTS_K'}" python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" \
   "$repo/tests/test_grouped_matmul.py" "$repo/tests/test_grouped_mlp.py" "$repo/tests/test_row_copies.py" \
@@ -71,8 +71,10 @@ else
 fi
 
 echo
-grep -E "passed|failed" "$OUT/grouped_matmul_tests.log" | tail -2
-grep -E "^(FAILED|ERROR)" "$OUT/grouped_matmul_tests.log" | head -10
+if [ -f "$OUT/grouped_matmul_tests.log" ]; then
+  grep -E "passed|failed" "$OUT/grouped_matmul_tests.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$OUT/grouped_matmul_tests.log" | head -10
+fi
 [ -f "$OUT/grouped_matmul_sweep.log" ] && sed -n '/best tiles/,$p' "$OUT/grouped_matmul_sweep.log"
 for name in grouped_matmul moe_layer; do
   [ -f "$OUT/$name.log" ] && sed -n '/^wrote/,$p' "$OUT/$name.log"
