@@ -4,7 +4,7 @@
 #   JAX_EP_COMMIT=<sha> [SHAPES="M,K,N,G ..."] [SECONDS_PER_SHAPE=240] bash bench/device_run_grouped_matmul_ncu.sh
 # Files in $OUT: ncu_query.txt, and per shape G (its group count) grouped_matmul_ncu_<G>.json, ncu_<G>.csv and the
 # logs of its compile run and profiled run. Runs from the source tree: the kernels need no extension. At a8dcd51
-# on one H100 each shape took 31-40 s, compile run and profiled run together.
+# on one H100 each shape took 31-36 s, compile run and profiled run together.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jax_ep_out}
