@@ -20,6 +20,7 @@
 #                     smoke of "auto" (the file uses 2 GPUs, which the 2-GPU suite covers).
 #   fuzz_r1           tools/fuzz.py, R=1 (cases until its time is up: --budget-s)
 #   fuzz_shared       1 GPU: R=2 as two processes sharing GPU 0 (--processes 2)
+#   fuzz_shared4/8    1 GPU: R=4 and R=8 as processes sharing GPU 0 (peer stores through CUDA IPC)
 #   fuzz_r2/r4/r8     R GPUs of one process (--ranks R), R <= GPUs. fuzz.py has no process-per-GPU mode: its
 #                     --processes puts every process on GPU 0; one process per GPU is covered by the tests step.
 #   concurrency       tests/test_cuda_concurrency.py on the meshes of all GPUs (ep2; ep4 + dp2xep2; ep8 + dp2xep4)
@@ -29,11 +30,14 @@
 #                     budget of a group of several GPUs against every SM
 #   ragged_one_shot   XLA's ragged_all_to_all round trip at the training shape with its one-shot kernel (2+ GPUs;
 #                     its NCCL send/recv fallback: `bash bench/device_run.sh bench` without --no-ragged)
+#   incast            4+ GPUs: from the bench step's result, combine takes at most 1.3x dispatch's time at the
+#                     training shape (its senders walk the ranks from their own: no incast on one GPU at a time)
 # A step that needs more GPUs than the machine has, or that the time left cannot hold, is a SKIP saying so.
 # Limits: each step has a nominal limit and a reserve; it runs for at most its nominal limit, and for less when the
 # deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
-# SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1.
+# SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
+# SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP saying so).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
 # file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
 # logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
@@ -137,11 +141,13 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
-plan tests $(by_gpus "150 60 65" "150 60 60" "150 60 60") "$nogpu"
+plan tests $(by_gpus "360 120 240" "150 60 60" "150 60 60") "$nogpu"
 plan tests_backend $(by_gpus "300 60 130" "300 60 160" "90 30 40") "$nogpu"
 plan fuzz_r1 $(by_gpus "60 60 60" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
 plan fuzz_shared 60 60 60 "$shared_skip"
+plan fuzz_shared4 90 90 90 "$shared_skip"
+plan fuzz_shared8 120 120 120 "$shared_skip"
 plan fuzz_r2 $(by_gpus "60 60 60" "60 60 60" "35 35 35") "$(need 2)"
 plan fuzz_r4 $([ "$GPUS" -ge 8 ] && echo "40 40 40" || echo "50 50 50") "$(need 4)"
 plan fuzz_r8 60 60 60 "$(need 8)"
@@ -150,6 +156,12 @@ plan concurrency $(by_gpus "100 60 30" "100 60 30" "160 80 60") \
 plan bench $(by_gpus "100 70 50" "120 60 70" "120 60 70") "$nogpu"
 plan sm_budget 60 30 30 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
+plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
+if [ -n "${SUITE_ONLY:-}" ]; then
+  for i in "${!PLAN_NAME[@]}"; do
+    [[ " $SUITE_ONLY " == *" ${PLAN_NAME[i]} "* ]] || PLAN_SKIP[i]=${PLAN_SKIP[i]:-"not in SUITE_ONLY ($SUITE_ONLY)"}
+  done
+fi
 
 limit_of() {  # INDEX START: the step's limit if it starts START seconds into the script
   local i=$1 start=$2 reserve=0 j left
@@ -292,10 +304,12 @@ for i in "${!PLAN_NAME[@]}"; do
       budget=$((limit - overhead < 5 ? 5 : limit - overhead))
       run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
-    fuzz_shared)
-      budget=$((limit - 15 < 5 ? 5 : limit - 15))  # two processes: 6 s more than at R=1
-      run_step fuzz_shared "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --processes 2 \
-        --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
+    fuzz_shared*)
+      processes=${name#fuzz_shared}
+      processes=${processes:-2}
+      budget=$((limit - 10 - 5 * processes < 5 ? 5 : limit - 10 - 5 * processes))  # starting the processes
+      run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda \
+        --processes "$processes" --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     concurrency)
       meshes=$([ "$largest" -ge 4 ] && echo 2 || echo 1)
       each=$(((limit - 20) / meshes))
@@ -305,6 +319,12 @@ for i in "${!PLAN_NAME[@]}"; do
       run_step bench "$limit" "$result" python3 -m jax_ep.bench "$result" --suite training --no-ragged --iters 20 ;;
     sm_budget)
       run_step sm_budget "$limit" "$result" python3 bench/sm_budget.py "$result" ;;
+    incast)
+      run_step incast "$limit" "" python3 -c 'import json, sys
+shape = json.load(open(sys.argv[1]))["training"]["cuda"]
+ratio = shape["combine_us"] / shape["dispatch_us"]
+print(f"combine {shape[\"combine_us\"]:.1f} us / dispatch {shape[\"dispatch_us\"]:.1f} us = {ratio:.2f}")
+sys.exit(0 if ratio <= 1.3 else 1)' "$LOGS/bench.json" ;;
     ragged_one_shot)
       run_step ragged_one_shot "$limit" "$result" python3 -m jax_ep.bench "$result" --ragged-flag true \
         --ragged-tokens 4096 --hidden 7168 ;;

@@ -8,9 +8,9 @@ The CUDA extension is built where ``JAX_EP_CUDA`` is ``ON``, or ``auto`` (the de
 ``CUDACXX``, else ``nvcc`` on ``PATH``, as CMakeLists.txt looks for it. Such a build needs jax (the XLA FFI
 headers) and the NCCL wheel of nvcc's CUDA major version (``nvidia-nccl-cu13``, or ``-cu12`` for CUDA 12:
 ``nccl.h`` and the ``libnccl.so.2`` the extension links) in the build environment, and the wheel depends on
-that NCCL wheel, since the extension loads its ``libnccl.so.2`` (rpath ``$ORIGIN/../nvidia/nccl/lib``). A build
-without the extension (``JAX_EP_CUDA=OFF``, or no nvcc) needs neither. ``JAX_EP_NCCL_ROOT`` names an NCCL of
-your own instead of the wheel, in both places.
+that NCCL wheel, since the extension (in ``jax_ep/ep``) loads its ``libnccl.so.2`` (rpath
+``$ORIGIN/../../nvidia/nccl/lib``). A build without the extension (``JAX_EP_CUDA=OFF``, or no nvcc) needs neither.
+``JAX_EP_NCCL_ROOT`` names an NCCL of your own instead of the wheel, in both places.
 
 ``python -m jax_ep._cuda_build`` prints what a build here would choose.
 """

@@ -38,3 +38,35 @@ def require_cuda(min_gpus: int = 1) -> Marks:
         f"{_group.unavailable_reason() or 'extension loaded'})",
         needed=count >= min_gpus and _group.available(),
     )
+
+
+KERNELS = ("routing.cu", "dispatch.cu", "combine.cu", "combine_backward.cu")
+
+
+def build_harness(source, out_dir):
+    """A test program (tests/cuda/*.cu) linked with the project's kernels (ffi/kernels), for this machine's GPU:
+    its path. Skips without nvcc."""
+    import shutil
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    root = Path(__file__).resolve().parents[1]
+    flags = [nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{root / 'ffi'}", "-arch=native"]
+
+    def compile_one(path):
+        target = Path(out_dir) / f"{Path(path).stem}.o"
+        done = subprocess.run([*flags, "-c", str(path), "-o", str(target)], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return str(target)
+
+    sources = [Path(source), *(root / "ffi" / "kernels" / k for k in KERNELS)]
+    with ThreadPoolExecutor(len(sources)) as pool:
+        objects = list(pool.map(compile_one, sources))
+    program = Path(out_dir) / Path(source).stem
+    done = subprocess.run([*flags, *objects, "-o", str(program)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return program

@@ -517,15 +517,17 @@ SCAN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "command_buffer_sc
 
 
 @pytest.mark.parametrize("split", ["0", "1"])
-def test_a_training_scan_under_command_buffers_matches_xla(mesh, tmp_path, split):
+def test_a_training_scan_under_command_buffers_matches_xla(mesh, transport, tmp_path, split):
     """200 jitted training steps in lax.scan with XLA command buffers forced on for custom calls, routing that
     changes every step: the same losses and parameters as backend xla (in a fresh process: XLA_FLAGS); with the
-    whole ops, and with the split ops and a matmul between dispatch_start and dispatch_finish."""
+    whole ops, and with the split ops and a matmul between dispatch_start and dispatch_finish. With every pair
+    through NCCL, no call may be captured (the script checks one host launch per call)."""
     ranks = mesh.devices.size
     # XLA's preallocated pool (a share this process leaves free) hands out memory that is not zero, as in
     # training: the ragged tails then hold other buffers' bits.
     env = {**os.environ, "JAX_EP_SCAN_RANKS": str(ranks), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
     env["JAX_EP_SCAN_SPLIT"] = split
+    env["JAX_EP_SCAN_TRANSPORT"] = transport
     done = subprocess.run(
         [sys.executable, str(SCAN_SCRIPT)], env=env, capture_output=True, text=True, timeout=400, check=False
     )

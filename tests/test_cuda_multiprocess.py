@@ -12,15 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tools" / "multiprocess_worker.py"
 
 
-def _run_pair(mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None) -> list[tuple[int, str]]:
-    """Both workers' exit codes and outputs."""
+def _run_pair(
+    mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None, processes: int = 2
+) -> list[tuple[int, str]]:
+    """Every worker's exit code and output (two workers, or ``processes``)."""
     sys.path.insert(0, str(ROOT / "bench"))  # bench/multiprocess.py
     from multiprocess import run_workers
 
-    logs = [tmp_path / f"{mode}_{i}.log" for i in range(2)]
+    logs = [tmp_path / f"{mode}_{i}.log" for i in range(processes)]
     codes = run_workers(
-        lambda port, i: [sys.executable, str(WORKER), str(port), str(i), mode],
-        2,
+        lambda port, i: [sys.executable, str(WORKER), str(port), str(i), mode, str(processes)],
+        processes,
         timeout,
         env={"XLA_FLAGS": "", **(env or {})},
         logs=logs,
@@ -47,9 +49,10 @@ def test_one_process_per_gpu_matches_xla(tmp_path, p2p):
 
 
 @require_cuda(min_gpus=1)
-def test_two_processes_sharing_one_gpu_match_the_reference(tmp_path):
-    """Both ranks on GPU 0, each in its own process: every row goes by peer stores into the other's buffer."""
-    for code, out in _run_pair("compare_shared", timeout=300, tmp_path=tmp_path):
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_sharing_one_gpu_match_the_reference(tmp_path, processes):
+    """Every rank on GPU 0, each in its own process: every row goes by peer stores into the others' buffers."""
+    for code, out in _run_pair("compare_shared", timeout=420, tmp_path=tmp_path, processes=processes):
         assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
         assert out.count("cuda == reference") == 3
         assert "NCCL ranks: []" in out
@@ -72,6 +75,24 @@ def test_the_first_call_waits_out_a_compile_skew(tmp_path):
     for code, out in _run_pair("skew_shared", timeout=240, tmp_path=tmp_path):
         assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
         assert "first call after a skew: cuda == reference" in out
+
+
+@require_cuda(min_gpus=1)
+def test_the_first_call_of_a_later_compiled_function_waits_out_a_skew(tmp_path):
+    """Process 1 reaches the first call of a function compiled after the group's first calls timeout_s + 2 s late:
+    the first call of every compiled call waits the set-up timeout, not timeout_s."""
+    for code, out in _run_pair("skew_later_shared", timeout=240, tmp_path=tmp_path):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert "the first call of a later compiled function after a skew: cuda == reference" in out
+
+
+@require_cuda(min_gpus=1)
+def test_calls_of_different_call_sites_at_one_position_fail_on_both_ranks(tmp_path):
+    """Rank 0 alone runs an extra dispatch in a lax.cond branch: the ranks' calls at one position come from two
+    call sites, so both fail (NaN outputs, errors naming the sites) instead of pairing their data."""
+    for i, (code, out) in enumerate(_run_pair("branch_shared", timeout=180, tmp_path=tmp_path)):
+        assert code == 0 and out.rstrip().endswith("OK"), out[-4000:]
+        assert f"process {i}: outputs are NaN" in out and "check failed as expected" in out
 
 
 @require_cuda(min_gpus=1)

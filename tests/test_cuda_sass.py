@@ -35,7 +35,7 @@ def _sass():
     tools = _tool_dir()
     if tools is None:
         pytest.skip("cuobjdump and nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-    from jax_ep import _jax_ep_cuda
+    from jax_ep.ep import _jax_ep_cuda
 
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
     out = subprocess.run(

@@ -1,4 +1,6 @@
-"""The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs).
+"""The cuda backend's FFI calls trace inside shard_map with the right types (CPU; no kernel runs), and carry what
+the kernels rely on: the target (never one XLA captures in command buffers for a group that talks NCCL) and the
+call site that each call's tag carries (ranks that reach different jax_ep calls at one position fail when they meet).
 
 There are no GPUs, so no :class:`jax_ep.Group`: the tests take the CPU devices for GPUs and put a stand-in group
 for axis "ep" into ``jax_ep.ep.group``'s registry, which is where ``backends/cuda.py:find_group`` looks. They need
@@ -15,6 +17,7 @@ from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep.ep import call_sites
 from jax_ep.ep import group as _group
 
 TARGETS = tuple(
@@ -35,16 +38,21 @@ def extension(monkeypatch):
     return _group.extension()
 
 
-def _stand_in_group(monkeypatch, num_ranks=2):
+def _stand_in_group(monkeypatch, num_ranks=2, nccl=False):
+    """A group as jax_ep.initialize records it (nothing allocated), whose first GPU reaches rank 1 by peer stores,
+    or through NCCL."""
+    device = jax.devices("cpu")[0]
     group = _group.Group(
         id=GROUP_ID,
+        namespace="test",
         axis_name="ep",
         num_ranks=num_ranks,
         num_sms=1,
         sizes={},
         processes=[0],
         setup_timeout_ms=1,
-        nccl={},
+        nccl={device: (1,) if nccl else ()},
+        devices=frozenset([device]),
     )
     monkeypatch.setitem(_group._groups, "ep", group)
     return group
@@ -198,3 +206,141 @@ def test_cuda_topk_over_the_kernels_limit_is_a_clear_error(monkeypatch, extensio
         pytest.raises(ValueError, match=f"topk must be at most {max_topk}.*got {topk}"),
     ):
         _trace_cuda_dispatch(topk)
+
+
+def _ffi_calls(jaxpr) -> list[tuple[str, dict]]:
+    """Every ffi_call of ``jaxpr`` and its sub-jaxprs, in order: (target name, attributes)."""
+    calls = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ffi_call":
+            calls.append((eqn.params["target_name"], dict(eqn.params["attributes"])))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    calls.extend(_ffi_calls(inner))
+    return calls
+
+
+def _traced(body):
+    """The FFI calls of the gradient of sum(body(x, idx, w) ** 2), body inside shard_map over the stand-in group."""
+
+    def loss(x, idx, w):
+        out = jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        return _ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(*ARGS).jaxpr)
+
+
+def _whole(x, idx, w):
+    d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda")
+    return jax_ep.combine(d.x * 2, d.handle, weights=d.weights)
+
+
+def _split(x, idx, w):
+    d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, num_experts=8, axis_name="ep", backend="cuda"))
+    return jax_ep.combine_finish(jax_ep.combine_start(d.x * 2, d.handle, weights=d.weights))
+
+
+def _separate(x, idx, w):
+    d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda", transfer="separate")
+    return jax_ep.combine(d.x * 2, d.handle, weights=d.weights)
+
+
+@pytest.mark.parametrize("body", [_whole, _split, _separate], ids=["whole", "split", "separate"])
+@pytest.mark.parametrize("nccl", [False, True], ids=["peer_stores", "nccl"])
+def test_calls_of_a_group_that_talks_nccl_are_never_captured(monkeypatch, extension, body, nccl):
+    """Every target the ops and their gradients call is one XLA may capture in command buffers, as its handler's
+    metadata says (what XLA asks), unless the group reaches a rank through NCCL: then none is."""
+    _stand_in_group(monkeypatch, nccl=nccl)
+    calls = _traced(body)
+    compatible = extension.command_buffer_compatible()
+    assert len(calls) >= 4  # dispatch, combine and their backward passes
+    for target, _ in calls:
+        assert target.endswith("_uncaptured") == nccl, target
+        assert compatible[target] == (not nccl), target
+
+
+def test_each_op_and_its_backward_pass_carry_their_own_call_sites(monkeypatch, extension):
+    """dispatch and combine at their call sites; their backward passes at sites derived from those (dispatch's
+    backward pass is a combine kernel: its site differs from the combine's)."""
+    _stand_in_group(monkeypatch)
+    calls = _traced(_whole)
+    by_target = {}
+    for target, attrs in calls:
+        by_target.setdefault(target.removesuffix("_uncaptured"), []).append(attrs["site"])
+    (dispatch_site,) = by_target["jax_ep_dispatch"]
+    combine_sites = by_target["jax_ep_combine"]  # combine, then the backward pass of dispatch
+    (combine_backward_site,) = by_target["jax_ep_combine_backward"]
+    assert len(combine_sites) == 2 and len(set(combine_sites)) == 2
+    combine_site, dispatch_backward_site = combine_sites
+    assert dispatch_backward_site == call_sites.backward(dispatch_site, "the backward pass")
+    assert combine_backward_site == call_sites.backward(combine_site, "the backward pass")
+    assert call_sites.describe(dispatch_site).startswith("jax_ep.dispatch at test_cuda_trace.py in _whole")
+    assert call_sites.describe(combine_site).startswith("jax_ep.combine at test_cuda_trace.py in _whole")
+
+
+def test_the_halves_of_a_split_op_carry_one_call_site(monkeypatch, extension):
+    """A start and its finish make one call (one tag), in the forward and in the backward pass."""
+    _stand_in_group(monkeypatch)
+    sites = {}
+    for target, attrs in _traced(_split):
+        sites.setdefault(target.removesuffix("_uncaptured"), []).append(attrs["site"])
+    assert sites["jax_ep_dispatch_start"] == sites["jax_ep_dispatch_finish"]
+    assert sites["jax_ep_combine_backward_start"] == sites["jax_ep_combine_backward_finish"]
+    # The combine halves: combine_start/finish of the forward pass, then the backward pass of dispatch's halves.
+    assert sites["jax_ep_combine_start"] == sites["jax_ep_combine_finish"]
+    assert len(set(sites["jax_ep_combine_start"])) == 2
+
+
+def test_a_dispatch_in_a_cond_branch_has_another_call_site_than_the_next_one(monkeypatch, extension):
+    """The scenario the site exists for: an extra dispatch in a lax.cond branch that only some ranks take, before
+    the dispatch every rank makes. The two get different sites, so ranks that meet at them fail."""
+    _stand_in_group(monkeypatch)
+
+    def body(x, idx, w):
+        def extra(x):
+            return x + jnp.sum(jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda").weights)
+
+        x = jax.lax.cond(jax.lax.axis_index("ep") == 0, extra, lambda x: x, x)
+        d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda")
+        return jax_ep.combine(d.x, d.handle, weights=d.weights)
+
+    sites = [attrs["site"] for target, attrs in _traced(body) if target.startswith("jax_ep_dispatch")]
+    assert len(sites) == 2 and sites[0] != sites[1]
+
+
+def _site_in(fn):
+    sites = []
+
+    def body(x, idx, w):
+        d = fn(x, idx, w)
+        sites.append(d.handle.config.site)
+        return d.weights
+
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).trace(*ARGS)
+    return sites[-1]
+
+
+def _moe_dispatch(x, idx, w):
+    return jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="xla")
+
+
+def test_a_call_site_does_not_depend_on_where_the_traced_function_was_called_from():
+    """Frames outside the traced function (a first call from a warm-up loop in one process and from the training
+    loop in another) take no part: the same code traced from two callers has one site; another line another."""
+
+    def caller_a():
+        return _site_in(_moe_dispatch)
+
+    def caller_b():
+        return _site_in(_moe_dispatch)
+
+    assert caller_a() == caller_b()
+
+    def elsewhere(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="xla")
+
+    assert _site_in(elsewhere) != caller_a()

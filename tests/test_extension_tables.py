@@ -1,22 +1,12 @@
-"""What the CUDA extension tells Python about its FFI targets and kernels (runs on CPU; needs the built extension).
+"""What the CUDA extension tells Python about its FFI targets and kernels, and how backends/cuda.py's spec of each
+target fits the public types (runs on CPU; needs the built extension)."""
 
-The targets' results are named once, in ffi/xla/handlers.h (kTargets); backends/cuda.py builds result types by
-those names. Here every op is traced on CPU devices taken for GPUs, and the names cuda.py builds for each target
-must be the ones the extension lists.
-"""
+import dataclasses
 
-import jax
-import jax.numpy as jnp
 import pytest
-from conftest import cpu_mesh
-from jax.sharding import PartitionSpec as P
 
-import jax_ep
 from jax_ep.ep import group as _group
-
-TARGETS = {
-    f"jax_ep_{op}{half}" for op in ("dispatch", "combine", "combine_backward") for half in ("", "_start", "_finish")
-}
+from jax_ep.ep.types import Dispatched, Handle
 
 
 @pytest.fixture
@@ -26,53 +16,35 @@ def extension():
     return _group.extension()
 
 
-def test_results_lists_the_nine_targets(extension):
-    results = extension.results()
-    assert set(results) == TARGETS == set(extension.registrations())
-    assert results["jax_ep_dispatch"] == [
-        *("x", "weights", "group_sizes", "num_dropped", "num_invalid", "token_dest_pos", "send_counts"),
-        *("slot_dest", "recv_rows", "recv_counts", "row_slot"),
-    ]
-    assert results["jax_ep_dispatch_start"] == ["token_dest_pos", "slot_dest", "sent"]
-    assert all(len(set(names)) == len(names) for names in results.values())
-
-
-def test_cuda_py_builds_the_results_the_extension_lists(monkeypatch, extension):
-    """The whole ops and the split ops, forward and backward, reach all nine targets."""
+def test_every_target_of_the_spec_is_registered_twice_captured_and_not(extension):
+    """Each target cuda.py specifies has a handler XLA may capture in command buffers, and an _uncaptured twin it
+    may not (for groups that talk NCCL), as the handlers' own metadata says; the extension registers no other."""
     from jax_ep.ep.backends import cuda
 
-    built = {}
-    call = cuda._call
-
-    def spy(target, results, *args, **kwargs):
-        built.setdefault(target, set()).update(results)
-        return call(target, results, *args, **kwargs)
-
-    monkeypatch.setattr(cuda, "_call", spy)
-    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
-    group = _group.Group(4242, "ep", 2, 1, {}, [0], 1, {})
-    monkeypatch.setitem(_group._groups, "ep", group)
-
-    def moe(x, idx, w):
-        kw = dict(num_experts=8, axis_name="ep", backend="cuda")
-        d = jax_ep.dispatch(x, idx, w, **kw)
-        whole = jax_ep.combine(jnp.tanh(d.x), d.handle, weights=d.weights)
-        d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
-        return whole + jax_ep.combine_finish(jax_ep.combine_start(jnp.tanh(d.x), d.handle, weights=d.weights))
-
-    def loss(x, idx, w):
-        return jnp.sum(jax.shard_map(moe, in_specs=P("ep"), out_specs=P("ep"))(x, idx, w))
-
-    args = (
-        jax.ShapeDtypeStruct((8, 16), jnp.float32),
-        jax.ShapeDtypeStruct((8, 2), jnp.int32),
-        jax.ShapeDtypeStruct((8, 2), jnp.float32),
-    )
-    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
-        jax.eval_shape(jax.grad(loss, argnums=(0, 2)), *args)
-    assert built == {target: set(names) for target, names in extension.results().items()}
+    compatible = extension.command_buffer_compatible()
+    names = {name for target in cuda.TARGETS for name in (target, f"{target}_uncaptured")}
+    assert set(extension.registrations()) == set(compatible) == names
+    assert all(compatible[name] != name.endswith("_uncaptured") for name in names)
 
 
-def test_limits(extension):
-    assert extension.limits() == {"max_topk": 64, "max_experts": 8192}
-    assert _group.limits() == extension.limits()
+def test_a_dispatch_returns_every_array_of_dispatched_and_handle():
+    """The whole dispatch's results are the arrays of Dispatched and Handle, once each, and its two halves split
+    them: the start's routing, the finish's the rest."""
+    from jax_ep.ep.backends import cuda
+
+    fields = {f.name for cls in (Dispatched, Handle) for f in dataclasses.fields(cls)} - {"handle", "config"}
+    whole = [r.name for r in cuda.TARGETS["jax_ep_dispatch"].results]
+    start = [r.name for r in cuda.TARGETS["jax_ep_dispatch_start"].results if r.name != "sent"]
+    finish = [r.name for r in cuda.TARGETS["jax_ep_dispatch_finish"].results]
+    assert len(whole) == len(set(whole)) and fields <= set(whole)
+    assert sorted(start + finish) == sorted(whole)
+    assert {f.name for f in dataclasses.fields(Handle)} - {"config"} <= set(whole)
+
+
+def test_limits_come_from_the_kernels_and_bound_what_backend_cuda_takes(extension):
+    limits = _group.limits()
+    assert limits == extension.limits() and set(limits) == {"max_topk", "max_experts"}
+    assert _group.over_limits(topk=limits["max_topk"], num_experts=limits["max_experts"]) == ""
+    too_many = _group.over_limits(topk=limits["max_topk"] + 1, num_experts=8)
+    assert f"topk must be at most {limits['max_topk']}" in too_many and f"got {limits['max_topk'] + 1}" in too_many
+    assert "num_experts must be at most" in _group.over_limits(topk=1, num_experts=limits["max_experts"] + 1)

@@ -49,7 +49,7 @@ def test_num_sms_must_be_a_positive_int():
         jax_ep.initialize(cpu_mesh((2,), ("ep",)), "ep", **SIZES, num_sms=1.5)
 
 
-def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize):
+def _documented_staging(num_ranks, num_tokens, hidden, topk, num_experts, itemsize):
     """docs/api.md: ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``."""
     local = max(num_experts // num_ranks, 1)
     ceil16 = lambda n: -(-n // 16) * 16  # noqa: E731
@@ -65,6 +65,14 @@ def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize)
     )
 
 
+def _fixed_bytes(num_ranks, num_tokens, hidden, topk, num_experts, dtype):
+    """What buffer_size_hint counts beyond the staging and the routing scratch: the signals and the peer table."""
+    sizes = dict(num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
+    staging = _documented_staging(**sizes, itemsize=jnp.dtype(dtype).itemsize)
+    scratch = 4 * _group.extension().routing_scratch_ints(num_ranks, num_tokens, topk, num_experts)
+    return jax_ep.buffer_size_hint(**sizes, dtype=dtype) - staging - scratch
+
+
 @pytest.mark.parametrize(
     ("num_ranks", "num_tokens", "hidden", "topk", "num_experts", "dtype"),
     [
@@ -77,9 +85,14 @@ def _documented_hint(num_ranks, num_tokens, hidden, topk, num_experts, itemsize)
     ],
 )
 def test_buffer_size_hint_is_the_documented_formula(built, num_ranks, num_tokens, hidden, topk, num_experts, dtype):
+    """The staging, the routing scratch, and about 10 KB of signals and peer table that no shape changes; with
+    nccl=True, the staging's bytes again (the outbox and the inbox)."""
     sizes = dict(num_ranks=num_ranks, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts)
     hint = jax_ep.buffer_size_hint(**sizes, dtype=dtype)
-    assert hint == _documented_hint(**sizes, itemsize=jnp.dtype(dtype).itemsize)
+    fixed = _fixed_bytes(**sizes, dtype=dtype)
+    assert 0 < fixed < 12_000 and fixed == _fixed_bytes(1, 1, 1, 1, 1, jnp.float32)
+    staging = _documented_staging(**sizes, itemsize=jnp.dtype(dtype).itemsize)
+    assert jax_ep.buffer_size_hint(**sizes, dtype=dtype, nccl=True) == hint + staging
     assert hint == jax_ep.buffer_size_hint(**sizes, dtype=jnp.dtype(dtype))  # a dtype object or a type alike
 
 
@@ -118,7 +131,20 @@ def test_a_refused_initialize_creates_no_group():
 
 
 def test_the_default_sm_budget_leaves_32_sms_to_a_group_of_several_gpus(built):
-    """ffi/runtime/group.h DefaultNumSms: every SM for a group of one GPU, else all but 32, at least half."""
+    """ffi/kernels/launch.h DefaultNumSms: every SM for a group of one GPU, else all but 32, at least half."""
     default = _group._extension.default_num_sms
     assert default(132, 1) == 132 and default(132, 2) == 100 and default(132, 8) == 100
     assert default(40, 2) == 20 and default(41, 4) == 21  # at most half the GPU left
+
+
+def test_each_mesh_axis_keeps_its_own_count_of_key_value_namespaces():
+    """initialize's keys in jax.distributed's store are named by the mesh axis and how often this process
+    initialized it, so processes agree on them whatever else each initialized in between (a process-wide
+    counter of groups differed between processes that made different groups)."""
+    mesh = cpu_mesh((2,), ("ep",))
+    first = _group._namespace(mesh, "ep")
+    other = _group._namespace(cpu_mesh((2, 2), ("dp", "ep")), "ep")  # another group in between
+    second = _group._namespace(mesh, "ep")
+    axis, count = first.split("/")
+    assert second == f"{axis}/{int(count) + 1}"
+    assert other.split("/")[0] != axis

@@ -9,7 +9,8 @@ import pytest
 
 from jax_ep.ep import group as _group
 
-GROUP = 3  # the id of the initialize call whose keys the processes swap
+GROUP = 3  # the id of the group in this process
+NAMESPACE = "axis/1"  # the key-value namespace of the initialize call whose keys the processes swap
 _thread = threading.local()  # the stand-in process a thread runs as: index and host name
 
 
@@ -109,7 +110,7 @@ def gpus(*processes):
 def pairs(groups, transport="auto", client=None):
     me = jax.process_index()
     local = [(g, r, d) for g, group in enumerate(groups) for r, d in enumerate(group) if d.process_index == me]
-    return _group._nccl_pairs(GROUP, groups, local, transport, client, timeout_s=1.0)
+    return _group._nccl_pairs(GROUP, NAMESPACE, groups, local, transport, client, timeout_s=1.0)
 
 
 def nccl_set(routes):
@@ -136,7 +137,7 @@ def run_processes(monkeypatch, groups, hosts, transport="auto"):
     def run(process):
         _thread.index, _thread.host = process, hosts[process]
         try:
-            reached[process] = _group._connect(GROUP, groups, 1024, 64, 0, sorted(hosts), 1.0, transport)[1]
+            reached[process] = _group._connect(GROUP, NAMESPACE, groups, 1024, 64, 0, sorted(hosts), 1.0, transport)[1]
         except BaseException as error:  # re-raised in the main thread
             errors.append(error)
 
@@ -209,8 +210,8 @@ def test_processes_of_one_host_send_a_pair_whose_handles_fail_to_open_one_way_th
     assert fake.nccl_members == {0: [0, 1], 1: [2, 3]}
     # The handles were published before the transport decision (the facts).
     for process, gpu_ids in ((0, (0, 1)), (1, (2, 3))):
-        facts_at = store.log.index(_group._key(GROUP, "facts", process))
-        assert all(store.log.index(_group._key(GROUP, "handles", 0, r)) < facts_at for r in gpu_ids)
+        facts_at = store.log.index(_group._key(NAMESPACE, "facts", process))
+        assert all(store.log.index(_group._key(NAMESPACE, "handles", 0, r)) < facts_at for r in gpu_ids)
 
 
 def test_processes_of_one_host_that_open_each_others_handles_use_peer_stores(fake, monkeypatch):
@@ -255,20 +256,22 @@ def test_transport_nccl_across_processes_of_one_host_probes_nothing(fake, monkey
 
 
 def test_other_hosts_go_through_nccl_and_the_same_host_by_peer_stores(fake):
-    store = FakeStore({_group._key(GROUP, "facts", 1): json.dumps({"host": "host-b", "force": False, "no_p2p": []})})
+    facts = {"host": "host-b", "force": False, "no_p2p": []}
+    store = FakeStore({_group._key(NAMESPACE, "facts", 1): json.dumps(facts)})
     routes = pairs([gpus(0, 0, 1, 1)], client=store)
     cross = {(0, a, b) for a in range(4) for b in range(4) if (a < 2) != (b < 2)}
     assert nccl_set(routes) == cross
-    assert json.loads(store.entries[_group._key(GROUP, "facts", 0)])["host"] == "host-a"  # published for process 1
+    assert json.loads(store.entries[_group._key(NAMESPACE, "facts", 0)])["host"] == "host-a"  # published for process 1
 
 
 def process_1_of_host_a(facts=None, probes=None, handles=True):
     """A store holding what process 1 (GPUs 2 and 3, on host-a) published."""
-    entries = {_group._key(GROUP, "facts", 1): json.dumps(facts or {"host": "host-a", "force": False, "no_p2p": []})}
+    facts = facts or {"host": "host-a", "force": False, "no_p2p": []}
+    entries = {_group._key(NAMESPACE, "facts", 1): json.dumps(facts)}
     if handles:
-        entries.update({_group._key(GROUP, "handles", 0, r): b"gpu%d" % r for r in (2, 3)})
+        entries.update({_group._key(NAMESPACE, "handles", 0, r): b"gpu%d" % r for r in (2, 3)})
     if probes is not None:
-        entries[_group._key(GROUP, "probes", 1)] = json.dumps(probes)
+        entries[_group._key(NAMESPACE, "probes", 1)] = json.dumps(probes)
     return FakeStore(entries)
 
 
@@ -282,7 +285,7 @@ def test_another_process_that_cannot_open_our_handles_makes_the_pair_nccl(fake):
     store = process_1_of_host_a(probes=[[0, 3, 0]])  # GPU 3 could not map GPU 0
     assert nccl_set(pairs([gpus(0, 0, 1, 1)], client=store)) == {(0, 0, 3), (0, 3, 0)}
     assert fake.probes == {(0, a, b) for a in (0, 1) for b in (2, 3)}
-    assert json.loads(store.entries[_group._key(GROUP, "probes", 0)]) == []
+    assert json.loads(store.entries[_group._key(NAMESPACE, "probes", 0)]) == []
 
 
 def test_a_process_that_never_publishes_its_probes_is_named(fake):
@@ -298,7 +301,7 @@ def test_a_process_that_never_publishes_its_handles_is_named(fake):
 def test_processes_that_disagree_on_transport_are_an_error(fake):
     facts = {"host": "host-a", "force": True, "no_p2p": []}
     with pytest.raises(ValueError, match="processes disagree on sending every pair through NCCL"):
-        pairs([gpus(0, 1)], client=FakeStore({_group._key(GROUP, "facts", 1): json.dumps(facts)}))
+        pairs([gpus(0, 1)], client=FakeStore({_group._key(NAMESPACE, "facts", 1): json.dumps(facts)}))
 
 
 def test_a_process_that_never_initializes_is_named(fake):
@@ -307,9 +310,9 @@ def test_a_process_that_never_initializes_is_named(fake):
 
 
 def test_facts_of_another_initialize_call_are_not_used(fake):
-    """Keys carry the group id: what process 1 published for another initialize call is not this call's."""
+    """Keys carry the call's namespace: what process 1 published for another initialize call is not this call's."""
     facts = {"host": "host-a", "force": False, "no_p2p": []}
-    other_call = FakeStore({_group._key(GROUP + 1, "facts", 1): json.dumps(facts)})
+    other_call = FakeStore({_group._key("axis/2", "facts", 1): json.dumps(facts)})
     with pytest.raises(RuntimeError, match="process 1 did not call jax_ep.initialize"):
         pairs([gpus(0, 1)], client=other_call)
-    assert _group._key(GROUP, "facts", 0) in other_call.entries  # this call published under its own id
+    assert _group._key(NAMESPACE, "facts", 0) in other_call.entries  # this call published under its own namespace

@@ -351,13 +351,14 @@ def test_the_missing_extension_reason_says_what_happened(tmp_path):
     """Imported from a source checkout with no built extension: not "circular import", but where and what to do."""
     from jax_ep.ep.group import why_not_loaded
 
-    error = ImportError("cannot import name '_jax_ep_cuda' from partially initialized module 'jax_ep'")
+    error = ImportError("cannot import name '_jax_ep_cuda' from partially initialized module 'jax_ep.ep'")
     package = tmp_path / "jax_ep"
     package.mkdir()
     (tmp_path / "ffi").mkdir()
     (tmp_path / "pyproject.toml").write_text("")
     reason = why_not_loaded(error, package)
     assert f"source tree {package}" in reason and "Run from another directory" in reason
-    (package / "_jax_ep_cuda.cpython-311-x86_64-linux-gnu.so").write_text("")
+    (package / "ep").mkdir()
+    (package / "ep" / "_jax_ep_cuda.cpython-311-x86_64-linux-gnu.so").write_text("")
     reason = why_not_loaded(ImportError("libnccl.so.2: cannot open shared object file"), package)
     assert "libnccl.so.2" in reason and "BUILD.md" in reason and "source tree" not in reason

@@ -7,6 +7,7 @@ Run as a script::
     python tools/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
     python tools/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
     python tools/fuzz.py --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
+    python tools/fuzz.py --platform gpu --backend cuda --ranks 2 --transport nccl ...  # every pair through NCCL
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
@@ -729,6 +730,7 @@ def campaign(
     progress_s: float = 30.0,
     platform: str = "cpu",
     budget_s: float | None = None,
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """Run a campaign; the report (a JSON-able dict) counts cases and lists every mismatch.
 
@@ -739,7 +741,7 @@ def campaign(
     if platform == "gpu" and backend != "xla":
         if len(ranks) != 1:
             raise ValueError("--platform gpu with backend cuda runs one R per campaign (one jax_ep group)")
-        jax_ep.initialize(ep_mesh(ranks[0], platform), AXIS, **MAX_BUCKET, dtype=jnp.float32)
+        jax_ep.initialize(ep_mesh(ranks[0], platform), AXIS, **MAX_BUCKET, dtype=jnp.float32, transport=transport)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     mismatches = []
     bucket_seeds: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
@@ -782,6 +784,7 @@ def campaign(
     report = dict(
         tool="tools/fuzz.py",
         backend=backend,
+        transport=transport,
         platform=(
             f"cpu, {len(jax.devices('cpu'))} simulated CPU devices"
             if platform == "cpu"
@@ -868,12 +871,13 @@ def dumps(report: dict[str, Any]) -> str:
     return text[: -len("\n}")] + ',\n "buckets": [\n' + buckets + "\n ]\n}\n"
 
 
-def replay(case_seed: int, backend: str, platform: str = "cpu") -> int:
+def replay(case_seed: int, backend: str, platform: str = "cpu", transport: str = "auto") -> int:
     """Run one case, print its configuration and every mismatch; 1 if it mismatched."""
     case = make_case(case_seed, backend)
     print(f"[fuzz] replay {case.describe()}")
     if platform == "gpu" and backend != "xla":
-        jax_ep.initialize(gpu_mesh(case.bucket.num_ranks), AXIS, **MAX_BUCKET, dtype=jnp.float32)
+        mesh = gpu_mesh(case.bucket.num_ranks)
+        jax_ep.initialize(mesh, AXIS, **MAX_BUCKET, dtype=jnp.float32, transport=transport)
     problems, spent = run_one(case, platform)
     seconds = ", ".join(f"{k} {v:.3f}" for k, v in spent.items())
     print(f"[fuzz] dropped={case.ref.num_dropped.tolist()} invalid={case.ref.num_invalid.tolist()} ({seconds})")
@@ -898,6 +902,7 @@ def in_processes(args: argparse.Namespace, command: str) -> dict[str, Any]:
     count = args.processes
     worker += ["--ranks", str(count), "--buckets", str(args.buckets), "--backend", args.backend]
     worker += ["--platform", args.platform, "--progress", str(args.progress), "--processes", str(count)]
+    worker += ["--transport", args.transport]
     worker += [] if args.budget_s is None else ["--budget-s", str(args.budget_s)]
     logs = [folder / f"process_{i}.log" for i in range(count)]
     timeout = 3600.0 if args.budget_s is None else args.budget_s + 600.0
@@ -965,6 +970,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these reports into --out")
     parser.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines")
     parser.add_argument("--processes", type=int, help="R as this many processes, one rank each (GPU: all on GPU 0)")
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "nccl"],
+        help="jax_ep.initialize's, for backend cuda (nccl needs a GPU per rank: NCCL puts no two ranks on one GPU)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # PORT,INDEX: one process of --processes
     args = parser.parse_args(argv)
     command = "python " + shlex.join(["tools/fuzz.py", *(sys.argv[1:] if argv is None else argv)])
@@ -977,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         report = merge(reports)
         report["merge_command"] = command
     elif args.replay is not None:
-        return replay(args.replay, args.backend, args.platform)
+        return replay(args.replay, args.backend, args.platform, args.transport)
     elif args.processes and not args.worker:
         if args.processes < 2:
             parser.error("--processes: at least 2")
@@ -997,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
             progress_s=args.progress,
             platform=args.platform,
             budget_s=args.budget_s,
+            transport=args.transport,
         )
         report["command"] = command
     t = report["time"]

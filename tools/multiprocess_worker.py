@@ -1,7 +1,9 @@
 """One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
 
-    python tools/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
-                                                         skew_shared,wrong_rank_shared,scan_shared,dies_shared}
+    python tools/multiprocess_worker.py PORT PROCESS_ID MODE [PROCESSES]
+
+MODE is one of compare, compare_shared, peer_hangs, late_shared, skew_shared, skew_later_shared, branch_shared,
+wrong_rank_shared, scan_shared, dies_shared; PROCESSES (default 2) is R, one rank per process.
 
 compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
            within float32 rounding, gradients; random routings. Prints the ranks it reaches through NCCL
@@ -13,6 +15,12 @@ compare_shared: the same cases with both processes on GPU 0, each one rank, stor
 peer_hangs: process 1 stays alive but never enters a transfer; process 0's first dispatch gives up after
            timeout_s and its next one fails naming rank 1. Prints "OK" at the end. (A process that dies is
            reported by jax.distributed itself, which stops the others.)
+skew_later_shared: both on GPU 0; after the group's first calls, process 1 reaches the first call of another
+           compiled function timeout_s + 2 s late (as after compiling an eval step for longer): the first call of
+           every compiled call waits the set-up timeout, so both get the reference.
+branch_shared: both on GPU 0; a lax.cond on lax.axis_index runs an extra dispatch on rank 0 alone, from another
+           call site, before the dispatch both run: the calls meet at the same position, and both fail with an
+           error naming the two call sites, never pairing their data.
 late_shared: both on GPU 0; process 1 stalls on the host past timeout_s before its dispatch. Process 0 gives
            up (NaN outputs, an error naming rank 1); process 1 then arrives late and fails the same way, never
            reading stale data; after jax_ep.initialize again both match the reference.
@@ -36,7 +44,7 @@ from jax._src import distributed  # noqa: E402  (its key-value client; jax has n
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-R = 2
+R = 2  # processes, one rank each (main sets it)
 
 
 def global_array(mesh, data):
@@ -224,6 +232,63 @@ def late_shared(mesh, process_id, timeout_s):
     print("after initialize again: cuda == reference", flush=True)
 
 
+def skew_later_shared(mesh, process_id, timeout_s):
+    """After the group's first calls, process 1 reaches the first call of a newly compiled function timeout_s + 2 s
+    late: that call waits the first-call timeout, so both get the reference, and no call gives up."""
+    import jax_ep
+
+    client = distributed.global_state.client
+    host, kw, body, step, (x, idx, w) = _compiled_weights_step(mesh, "later")
+    want = reference_run(mesh, host, np.float32, **kw)[1]
+    np.testing.assert_array_equal(local(step(x, idx, w)), want)  # the group's first calls, and this step's
+    np.testing.assert_array_equal(local(step(x, idx, w)), want)
+
+    def eval_body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, axis_name="ep", backend="cuda", **kw).weights[None] * 1
+
+    with jax.set_mesh(mesh):
+        eval_step = jax.jit(jax.shard_map(eval_body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
+    client.wait_at_barrier("later/compiled", 60_000)
+    if process_id == 1:
+        time.sleep(timeout_s + 2)  # a longer compile of the eval step
+    np.testing.assert_array_equal(local(eval_step(x, idx, w)), want)
+    GROUP[0].check()
+    print("the first call of a later compiled function after a skew: cuda == reference", flush=True)
+
+
+def branch_shared(mesh, process_id):
+    """Rank 0 alone takes a lax.cond branch that holds an extra dispatch (another call site): the ranks' calls at
+    the same position come from different call sites, and both fail naming them, with NaN outputs."""
+    import jax_ep
+
+    client = distributed.global_state.client
+    kw = dict(num_experts=16, axis_name="ep", backend="cuda")
+    x, idx, w = inputs(mesh, 64, 256, 4, 16, jnp.float32, seed=11, messy=False)
+
+    def body(x, idx, w):
+        def extra(x):
+            return x + jnp.sum(jax_ep.dispatch(x, idx, w, **kw).weights)  # rank 0's call at the shared position
+
+        x = jax.lax.cond(jax.lax.axis_index("ep") == 0, extra, lambda x: x, x)
+        return jax_ep.dispatch(x, idx, w, **kw).weights[None]
+
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).lower(x, idx, w).compile()
+    client.wait_at_barrier("branch/compiled", 60_000)
+    out = local(step(x, idx, w))
+    assert np.all(np.isnan(out)), f"process {process_id} paired the data of two call sites: {out[:4]}"
+    print(f"process {process_id}: outputs are NaN", flush=True)
+    try:
+        GROUP[0].check()
+    except RuntimeError as error:
+        message = str(error)
+        assert "in another jax_ep call at the same position" in message, message
+        assert message.count("call site") >= 2 and "jax_ep.dispatch at multiprocess_worker.py" in message, message
+        print(f"check failed as expected: {message[:600]}", flush=True)
+    else:
+        raise AssertionError("calls of different call sites at the same position did not fail")
+
+
 def skew_shared(mesh, process_id, timeout_s):
     """Process 1 reaches the group's first call timeout_s + 2 s after process 0 (as after a slower compile): the
     first call waits the set-up timeout, so both get the reference."""
@@ -310,13 +375,16 @@ GROUP = [None]
 
 
 def main():
+    global R
     port, process_id, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    R = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     gpu = 0 if mode.endswith("_shared") else process_id
     jax.distributed.initialize(f"localhost:{port}", num_processes=R, process_id=process_id, local_device_ids=[gpu])
     import jax_ep
 
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
-    timeout_s = 3.0 if mode in ("peer_hangs", "late_shared", "dies_shared", "skew_shared") else 30.0
+    short = ("peer_hangs", "late_shared", "dies_shared", "skew_shared", "skew_later_shared")
+    timeout_s = 3.0 if mode in short else 30.0
     sizes = dict(num_tokens=256, hidden=2048, topk=8, num_experts=64, timeout_s=timeout_s)
     GROUP[0] = jax_ep.initialize(mesh, "ep", **sizes)
     if mode.startswith("compare"):
@@ -326,6 +394,10 @@ def main():
         late_shared(mesh, process_id, timeout_s)
     elif mode == "skew_shared":
         skew_shared(mesh, process_id, timeout_s)
+    elif mode == "skew_later_shared":
+        skew_later_shared(mesh, process_id, timeout_s)
+    elif mode == "branch_shared":
+        branch_shared(mesh, process_id)
     elif mode == "wrong_rank_shared":
         wrong_rank_shared(mesh, process_id)
     elif mode == "scan_shared":

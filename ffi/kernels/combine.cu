@@ -80,13 +80,34 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
+// One warp: the ranks that hold rows of a token (dest_pos[d] >= 0, its position in the send list to d), in ascending
+// order, and their positions, into the warp's shared arrays. Returns how many there are.
+__device__ int PartialSources(const int32_t* dest_pos, int num_ranks, int32_t* ranks, int32_t* positions, int lane) {
+  int count = 0;
+  for (int d0 = 0; d0 < num_ranks; d0 += 32) {
+    const int d = d0 + lane;
+    const int32_t pos = d < num_ranks ? dest_pos[d] : -1;
+    const unsigned held = __ballot_sync(0xffffffffu, pos >= 0);
+    if (pos >= 0) {
+      const int at = count + __popc(held & ((1u << lane) - 1));
+      ranks[at] = d;
+      positions[at] = pos;
+    }
+    count += __popc(held);
+  }
+  __syncwarp();
+  return count;
+}
+
 // kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
 template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
   constexpr int kWide = CombineWide<Y, P>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
-  const Call call = CurrentCall(g, kOpCombine);
+  __shared__ int32_t partial_ranks[kWarps][kMaxRanks];  // the ranks that hold a token's rows, ascending
+  __shared__ int32_t partial_positions[kWarps][kMaxRanks];
+  const Call call = CurrentCall(g, kOpCombine, p.origin);
   const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, H = p.hidden, K = p.topk;
@@ -106,7 +127,10 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
            item += at.stride) {
         const UnitPiece up = SplitItem(item, p.send_pieces);
         const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
-        const int source = static_cast<int>(kStageOwn || peer_index < me ? peer_index : peer_index + 1);
+        // Rank me + 1 + peer_index (mod R; me + peer_index with kStageOwn): the ranks start at different peers, so
+        // that they do not all store into one GPU at a time.
+        const int shifted = me + (kStageOwn ? 0 : 1) + peer_index;
+        const int source = shifted < R ? shifted : shifted - R;
         if (i >= p.recv_counts[source]) continue;
         const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
         const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, at.lane);
@@ -130,18 +154,19 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
   if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
-    Poison(p.out, T * H * static_cast<int64_t>(sizeof(Y)));
-    Poison(p.slot_values, T * K * 4);
+    Poison(p.outputs.out, T * H * static_cast<int64_t>(sizeof(Y)));
+    Poison(p.outputs.slot_values, T * K * 4);
     FinishCall(g, call, arrival);
     return;
   }
 
-  Y* out = static_cast<Y*>(p.out);
+  Y* out = static_cast<Y*>(p.outputs.out);
   for (int64_t item = at.first; item < T * p.recv_pieces; item += at.stride) {
     const UnitPiece up = SplitItem(item, p.recv_pieces);
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
     const int32_t own_pos = dest_pos[me];
+    const int partials = PartialSources(dest_pos, R, partial_ranks[at.warp], partial_positions[at.warp], at.lane);
     const int count = own_pos < 0 || kStageOwn
                           ? 0
                           : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, at.lane);
@@ -149,9 +174,9 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
     for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
       float total[kWide] = {};
-      for (int d = 0; d < R; ++d) {
-        const int32_t pos = dest_pos[d];
-        if (pos < 0) continue;
+      for (int j = 0; j < partials; ++j) {
+        const int d = partial_ranks[at.warp][j];
+        const int32_t pos = partial_positions[at.warp][j];
         float part[kWide];
         if (d == me && !kStageOwn) {
           PartialSum(y, H, rows, weights, count, e, p.width, part);
@@ -167,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
       }
       StoreValues<Y, kWide>(out + t * H + e, total, p.width);
     }
-    if (up.piece == 0 && p.slot_values != nullptr) {
+    if (up.piece == 0 && p.outputs.slot_values != nullptr) {
       for (int64_t k = at.lane; k < K; k += 32) {
         const int32_t d = p.slot_dest[t * K + k];
         float value = 0.0f;
@@ -180,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
             value = __ldcg(reinterpret_cast<const float*>(region + p.region.values) + dest_pos[d] * K + k);
           }
         }
-        p.slot_values[t * K + k] = value;
+        p.outputs.slot_values[t * K + k] = value;
       }
     }
     __syncwarp();
@@ -213,10 +238,8 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
 
 Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream,
                      Phase phase) {
-  if (c.topk > kMaxTopk) {
-    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
-                                   std::to_string(c.topk));
-  }
+  const Status limits = CheckLimits(c.topk, 0);
+  if (!limits.ok()) return limits;
   const int64_t item = c.type == FloatType::kF32 || c.partial_f32 ? 4 : 2;
   CombineParams p{c};
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);

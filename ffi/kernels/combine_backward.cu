@@ -98,7 +98,7 @@ __device__ void BackwardPiece(const BackwardParams& p, const Y* g, const int32_t
                               PendingWeight& pending, int count, int64_t begin, int64_t end, float* dots, int lane) {
   constexpr int kWide = Wide<Y>();
   const Y* y = static_cast<const Y*>(p.y);
-  Y* dy = static_cast<Y*>(p.dy);
+  Y* dy = static_cast<Y*>(p.outputs.dy);
   const int64_t H = p.hidden;
   if (p.width == kWide) {
     for (int64_t e0 = begin; e0 < end; e0 += 32 * kWide * kStepsHeld) {
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   __shared__ int32_t held_rows[kSumWarps][kMaxTopk];
   __shared__ float held_weights[kSumWarps][kMaxTopk];
   __shared__ float dots[kSumWarps][kMaxTopk];
-  const Call call = CurrentCall(g, kOpCombineBackward);
+  const Call call = CurrentCall(g, kOpCombineBackward, p.origin);
   const GridWarp<kSumWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const Phase phase = PhaseOf(p.do_send, p.do_receive);
@@ -198,79 +198,116 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
   }
   if (!p.do_receive) return;
   NoteSwapDone(g, call);
+  const bool with_dots = p.outputs.dweights != nullptr;
+  float* my_dots = with_dots ? dots[at.warp] : nullptr;
+  const Divisor& pieces = p.recv_pieces;
+  // Rounds over items [first, last) of R * T * pieces, which every block of the grid runs alike (the pieces of a
+  // token meet at __syncthreads to add their dots). Item unit u = s * T + i is token i of rank me + s (mod R): this
+  // rank's own tokens, whose cotangent comes straight from g, are the first T units, done before the wait.
+  const auto rounds = [&](int64_t first, int64_t last) {
+    for (int64_t base = first + static_cast<int64_t>(blockIdx.x) * kSumWarps; base < last; base += at.stride) {
+      const int64_t item = base + at.warp;
+      int count = 0, piece = 0;
+      if (item < last) {
+        const UnitPiece up = SplitItem(item, pieces);
+        const int shift = p.tokens.Divide(up.unit);
+        const int source = me + shift < R ? me + shift : me + shift - R;
+        const int32_t i = up.unit - shift * static_cast<int32_t>(T);
+        piece = up.piece;
+        const int32_t* rows_by_k = nullptr;
+        const char* src = nullptr;
+        if (source == me) {
+          const int32_t pos = p.token_dest_pos[i * R + me];
+          if (pos >= 0) {
+            rows_by_k = p.recv_rows + (me * T + pos) * K;
+            src = static_cast<const char*>(p.g) + i * p.row_bytes;
+          }
+        } else if (i < p.recv_counts[source]) {
+          rows_by_k = p.recv_rows + (source * T + i) * K;
+          src = RegionFrom(g, call, source, p.region.bytes) + p.region.rows + i * p.region.stride;
+        }
+        if (rows_by_k != nullptr) {
+          PendingWeight pending;
+          count = HeldRows(rows_by_k, K, p.weights, held_rows[at.warp], held_weights[at.warp], pending, at.lane);
+          if (with_dots) {
+            for (int j = at.lane; j < count; j += 32) my_dots[j] = 0.0f;
+            __syncwarp();
+          }
+          int64_t begin, end;
+          PieceElements(H, p.width, p.steps, pieces, piece, &begin, &end);
+          BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[at.warp], held_weights[at.warp], pending,
+                           count, begin, end, my_dots, at.lane);
+        }
+      }
+      if (with_dots) {
+        __syncthreads();
+        if (count > 0 && piece == 0) {  // warps warp .. warp + pieces - 1 hold this token's parts, in piece order
+          for (int j = at.lane; j < count; j += 32) {
+            float total = 0.0f;
+            for (int w = 0; w < pieces.value; ++w) total += dots[at.warp + w][j];
+            p.outputs.dweights[held_rows[at.warp][j]] = total;
+          }
+        }
+        __syncthreads();
+      }
+    }
+  };
+
+  // What needs no peer goes before the wait for the peers: the rows that hold no slot (an item per 32 rows and
+  // piece: dweights 0, and dy 0 inside the data; the ragged tail's dy is unspecified, and writing it would cost as
+  // much as the data's at R = 2), then this rank's own tokens. The rows first: after the token rounds, their
+  // values made ptxas spill the rounds' registers.
+  const int64_t own_items = T * pieces.value;
+  if (may_run) {
+    for (int64_t item = at.first; item < fill_items; item += at.stride) {
+      const UnitPiece up = SplitItem(item, p.fill_pieces);
+      const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + at.lane;
+      const int32_t slot = item == at.first ? first_slot : (n < p.num_rows ? p.row_slot[n] : 0);
+      if (slot < 0 && with_dots && up.piece == 0) p.outputs.dweights[n] = 0.0f;
+      int64_t begin, end;
+      PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
+      for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
+        CopyRow(nullptr, static_cast<char*>(p.outputs.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin,
+                at.lane);
+      }
+    }
+    rounds(0, own_items);
+  }
   if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
-    Poison(p.dy, p.num_rows * p.row_bytes);
-    Poison(p.dweights, p.num_rows * 4);
+    Poison(p.outputs.dy, p.num_rows * p.row_bytes);
+    Poison(p.outputs.dweights, p.num_rows * 4);
+    if (may_run) {  // again what this block wrote before the wait, over which another block may have poisoned
+      for (int64_t item = at.first; item < fill_items; item += at.stride) {
+        const UnitPiece up = SplitItem(item, p.fill_pieces);
+        const int64_t n0 = static_cast<int64_t>(up.unit) * 32;
+        int64_t begin, end;
+        PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
+        for (int64_t n = n0; n < n0 + 32 && n < p.num_rows; ++n) {
+          PoisonBytes(static_cast<char*>(p.outputs.dy) + n * p.row_bytes + begin, end - begin, at.lane);
+        }
+        if (with_dots && n0 + at.lane < p.num_rows) PoisonBytes(p.outputs.dweights + n0 + at.lane, 4, 0);
+      }
+      for (int64_t item = static_cast<int64_t>(blockIdx.x) * kSumWarps + at.warp; item < own_items; item += at.stride) {
+        const UnitPiece up = SplitItem(item, pieces);
+        const int32_t pos = p.token_dest_pos[up.unit * R + me];
+        if (pos < 0) continue;
+        const int32_t* rows_by_k = p.recv_rows + (me * T + pos) * K;
+        int64_t begin, end;
+        PieceElements(H, p.width, p.steps, pieces, up.piece, &begin, &end);
+        const int64_t item_bytes = H > 0 ? p.row_bytes / H : 0;
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t row = rows_by_k[k];
+          if (row < 0) continue;
+          PoisonBytes(static_cast<char*>(p.outputs.dy) + row * p.row_bytes + begin * item_bytes,
+                      (end - begin) * item_bytes, at.lane);
+          if (with_dots && up.piece == 0 && at.lane == 0) PoisonBytes(p.outputs.dweights + row, 4, 0);
+        }
+      }
+    }
     FinishCall(g, call, arrival);
     return;
   }
-
-  // Rows that hold no slot, an item per 32 rows and piece: dweights 0 (piece 0), and dy 0 inside the data (the
-  // ragged tail's dy is unspecified: writing it would cost as much as the data's at R = 2, and more at larger R).
-  // Before the receive loop: after it, this loop's values made ptxas spill that loop's registers.
-  const bool with_dots = p.dweights != nullptr;
-  for (int64_t item = at.first; item < fill_items; item += at.stride) {
-    const UnitPiece up = SplitItem(item, p.fill_pieces);
-    const int64_t n0 = static_cast<int64_t>(up.unit) * 32, n = n0 + at.lane;
-    const int32_t slot = item == at.first ? first_slot : (n < p.num_rows ? p.row_slot[n] : 0);
-    if (slot < 0 && with_dots && up.piece == 0) p.dweights[n] = 0.0f;
-    int64_t begin, end;
-    PieceBytes(p.row_bytes, p.fill_pieces, up.piece, &begin, &end);
-    for (unsigned mask = __ballot_sync(0xffffffffu, slot == kNoSlot); mask != 0; mask &= mask - 1) {
-      CopyRow(nullptr, static_cast<char*>(p.dy) + (n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, at.lane);
-    }
-  }
-
-  // Every block runs the same rounds (the pieces of a token meet at __syncthreads to add their dots).
-  const Divisor& pieces = p.recv_pieces;
-  const int64_t items = R * T * pieces.value;
-  float* my_dots = with_dots ? dots[at.warp] : nullptr;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kSumWarps; base < items; base += at.stride) {
-    const int64_t item = base + at.warp;
-    int count = 0, piece = 0;
-    if (item < items) {
-      const UnitPiece up = SplitItem(item, pieces);
-      const int source = p.tokens.Divide(up.unit);
-      const int32_t i = up.unit - source * static_cast<int32_t>(T);
-      piece = up.piece;
-      const int32_t* rows_by_k = nullptr;
-      const char* src = nullptr;
-      if (source == me) {  // one of this rank's own tokens: its cotangent comes straight from g
-        const int32_t pos = p.token_dest_pos[i * R + me];
-        if (pos >= 0) {
-          rows_by_k = p.recv_rows + (me * T + pos) * K;
-          src = static_cast<const char*>(p.g) + i * p.row_bytes;
-        }
-      } else if (i < p.recv_counts[source]) {
-        rows_by_k = p.recv_rows + (source * T + i) * K;
-        src = RegionFrom(g, call, source, p.region.bytes) + p.region.rows + i * p.region.stride;
-      }
-      if (rows_by_k != nullptr) {
-        PendingWeight pending;
-        count = HeldRows(rows_by_k, K, p.weights, held_rows[at.warp], held_weights[at.warp], pending, at.lane);
-        if (with_dots) {
-          for (int j = at.lane; j < count; j += 32) my_dots[j] = 0.0f;
-          __syncwarp();
-        }
-        int64_t begin, end;
-        PieceElements(H, p.width, p.steps, pieces, piece, &begin, &end);
-        BackwardPiece<Y>(p, reinterpret_cast<const Y*>(src), held_rows[at.warp], held_weights[at.warp], pending, count,
-                         begin, end, my_dots, at.lane);
-      }
-    }
-    if (with_dots) {
-      __syncthreads();
-      if (count > 0 && piece == 0) {  // warps warp .. warp + pieces - 1 hold this token's parts, in piece order
-        for (int j = at.lane; j < count; j += 32) {
-          float total = 0.0f;
-          for (int w = 0; w < pieces.value; ++w) total += dots[at.warp + w][j];
-          p.dweights[held_rows[at.warp][j]] = total;
-        }
-      }
-      __syncthreads();
-    }
-  }
-
+  rounds(own_items, R * T * pieces.value);
   FinishCall(g, call, arrival);
 }
 
@@ -311,14 +348,12 @@ Status Run(BackwardParams p, const GroupView& g, const NcclSwap& swap, cudaStrea
 
 Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, const NcclSwap& swap,
                              cudaStream_t stream, Phase phase) {
-  if (c.topk > kMaxTopk) {
-    return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + ", got " +
-                                   std::to_string(c.topk));
-  }
+  const Status limits = CheckLimits(c.topk, 0);
+  if (!limits.ok()) return limits;
   const int64_t item = c.type == FloatType::kF32 ? 4 : 2;
   BackwardParams p{c};
   p.row_bytes = c.hidden * item;
-  if (c.weights == nullptr) p.dweights = nullptr;
+  if (c.weights == nullptr) p.outputs.dweights = nullptr;
   p.region = DispatchRegion(c.num_tokens, c.topk, 0, p.row_bytes);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;

@@ -13,7 +13,7 @@ namespace jax_ep {
 
 namespace {
 
-constexpr int kTableSharedBytes = 96 * 1024;
+constexpr int kTableSharedBytes = 128 * 1024;
 
 // A slot as it travels with its token: its local expert on the receiver (-1: not for this rank), its rank
 // among the sender's slots of that expert, and its routing weight.
@@ -72,28 +72,32 @@ __device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
 
 __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
   const int64_t T = p.num_tokens, K = p.topk, R = num_ranks;
-  Poison(p.out_x, p.num_rows * p.row_bytes);
-  Poison(p.out_weights, p.num_rows * 4);
-  Poison(p.group_sizes, p.local_experts * 4);
-  Poison(p.num_dropped, 4);
-  Poison(p.num_invalid, 4);
-  PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
-  Poison(p.send_counts, R * 4);
-  Poison(p.recv_rows, R * T * K * 4);
-  Poison(p.recv_counts, R * 4);
-  Poison(p.row_slot, p.num_rows * 4);
+  Poison(p.received.x, p.num_rows * p.row_bytes);
+  Poison(p.received.weights, p.num_rows * 4);
+  Poison(p.received.group_sizes, p.local_experts * 4);
+  Poison(p.received.num_dropped, 4);
+  Poison(p.received.num_invalid, 4);
+  Poison(p.received.expert_load, p.local_experts * 4);
+  PoisonStart(p.routed.token_dest_pos, p.routed.slot_dest, T, R, K);
+  Poison(p.received.send_counts, R * 4);
+  Poison(p.received.recv_rows, R * T * K * 4);
+  Poison(p.received.recv_counts, R * 4);
+  Poison(p.received.row_slot, p.num_rows * 4);
 }
 
 // The receiver's tables, in shared memory: for source r and local expert l, the layout
 // position of r's first slot of l (start[r * L + l]: a row in the ragged layout, an index within expert l's
-// rows in the expert layout), each segment's first row (ragged), and each local expert's slots from all ranks.
+// rows in the expert layout), each segment's first row (ragged), each local expert's slots from all ranks, and
+// how many of them the capacity keeps (the first ones, in source order).
 struct Tables {
   int32_t* start;
   int32_t* seg_start;
   int32_t* total;
+  int32_t* kept;
   int32_t* recv_count;  // [R] tokens received from each rank
   int32_t* data_end;    // rows up to the end of the last segment (ragged), N (expert)
 };
+constexpr int64_t kTableArraysOfL = 3;  // seg_start, total, kept (and start, R of them)
 
 // total rounded up to a multiple of alignment (which the API keeps at most the capacity, an int32).
 __device__ inline int32_t Padded(int32_t total, const Divisor& alignment) {
@@ -117,6 +121,37 @@ __device__ inline int32_t BlockExclusiveSum(int32_t value) {
   return inclusive - value + totals;
 }
 
+// Block-wide sum of one value per thread, every thread gets it; two barriers, its shared totals reusable.
+__device__ inline int64_t BlockSum(int64_t value) {
+  __shared__ int64_t warp_sums[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  __syncthreads();  // every thread has read the sums of the call before
+  if (lane == 0) warp_sums[warp] = value;
+  __syncthreads();
+  int64_t total = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0;
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  return total;
+}
+
+// Drop policy "balanced": the largest level c such that the experts' padded segments of min(n_l, c) rows fit in
+// the capacity, found by bisection over the block (this thread holds experts [first, last)), or INT32_MAX when
+// every slot fits. A few integer operations per local expert and step; only a call that drops slots searches.
+__device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32_t first, int32_t last) {
+  auto rows_at = [&](int32_t level) {
+    int64_t rows = 0;
+    for (int32_t l = first; l < last; ++l) rows += Padded(std::min(t.total[l], level), p.align);
+    return BlockSum(rows);
+  };
+  if (rows_at(INT32_MAX) <= p.capacity) return INT32_MAX;
+  int32_t lo = 0, hi = static_cast<int32_t>(p.capacity);  // rows_at(lo) <= C < rows_at(hi + 1)
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo + 1) / 2;
+    if (rows_at(mid) <= p.capacity) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables.
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
@@ -135,23 +170,40 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   int32_t mine = 0;
   for (int32_t l = first; l < last; ++l) {
     int32_t running = 0;
-    for (int r = 0; r < R; ++r) {
-      t.start[r * L + l] = running;
-      running += count_of(r, l);
+    for (int r0 = 0; r0 < R; r0 += 8) {  // eight loads in flight at once: they come from L2, one per rank
+      int32_t counts[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) counts[j] = r0 + j < R ? count_of(r0 + j, l) : 0;
+#pragma unroll
+      for (int j = 0; j < 8 && r0 + j < R; ++j) {
+        t.start[(r0 + j) * L + l] = running;
+        running += counts[j];
+      }
     }
     t.total[l] = running;
     mine += Padded(running, p.align);
   }
   if (p.expert_layout) {
+    for (int32_t l = first; l < last; ++l) t.kept[l] = static_cast<int32_t>(std::min<int64_t>(t.total[l], p.capacity));
     if (threadIdx.x == 0) *t.data_end = static_cast<int32_t>(p.num_rows);
     __syncthreads();
     return;
+  }
+  // The segments: "expert" keeps the first C rows of the layout of every slot; "balanced" gives each expert
+  // min(n_l, c) rows (and its padding), c as large as fits.
+  int32_t level = INT32_MAX;
+  if (p.balanced) {
+    level = BalancedLevel(p, t, first, last);
+    mine = 0;
+    for (int32_t l = first; l < last; ++l) mine += Padded(std::min(t.total[l], level), p.align);
   }
   int32_t before = BlockExclusiveSum(mine);
   for (int32_t l = first; l < last; ++l) {
     t.seg_start[l] = before;
     for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
-    before += Padded(t.total[l], p.align);
+    const int32_t kept = std::min(t.total[l], level);
+    t.kept[l] = static_cast<int32_t>(std::clamp<int64_t>(p.capacity - before, 0, kept));
+    before += Padded(kept, p.align);
     if (l == L - 1) *t.data_end = static_cast<int32_t>(std::min<int64_t>(before, p.capacity));
   }
   __syncthreads();
@@ -163,26 +215,25 @@ __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const i
   const int64_t C = p.capacity;
   int32_t dropped = 0;
   for (int64_t l = lane; l < p.local_experts; l += 32) {
-    const int32_t total = t.total[l];
-    int32_t size, kept;
-    if (p.expert_layout) {
-      size = kept = static_cast<int32_t>(std::min<int64_t>(total, C));
-    } else {
+    const int32_t total = t.total[l], kept = t.kept[l];
+    int32_t size = kept;
+    if (!p.expert_layout) {  // the segment, up to the capacity ("balanced" segments always fit)
       const int64_t seg = t.seg_start[l];
-      size = static_cast<int32_t>(std::min<int64_t>(seg + Padded(total, p.align), C) - std::min<int64_t>(seg, C));
-      kept = static_cast<int32_t>(std::clamp<int64_t>(C - seg, 0, total));
+      const int32_t rows = Padded(p.balanced ? kept : total, p.align);
+      size = static_cast<int32_t>(std::min<int64_t>(seg + rows, C) - std::min<int64_t>(seg, C));
     }
-    p.group_sizes[l] = size;
+    p.received.group_sizes[l] = size;
+    p.received.expert_load[l] = total;
     dropped += total - kept;
   }
   for (int r = lane; r < g.num_ranks; r += 32) {
-    p.recv_counts[r] = t.recv_count[r];
-    p.send_counts[r] = scratch[p.s.rank_count + r];
+    p.received.recv_counts[r] = t.recv_count[r];
+    p.received.send_counts[r] = scratch[p.s.rank_count + r];
   }
   dropped = __reduce_add_sync(0xffffffffu, dropped);
   if (lane == 0) {
-    *p.num_dropped = dropped;
-    *p.num_invalid = scratch[p.s.num_invalid];
+    *p.received.num_dropped = dropped;
+    *p.received.num_invalid = scratch[p.s.num_invalid];
   }
 }
 
@@ -199,16 +250,18 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
     int32_t row = -1;
     if (k < K) {
       const StagedSlot s = slot(k);
-      if (s.local_expert >= 0) {
+      if (s.local_expert >= 0 && s.rank < t.kept[s.local_expert] - (t.start[source * L + s.local_expert] -
+                                                                     (p.expert_layout ? 0 : t.seg_start[s.local_expert]))) {
+        // Kept: the slot's place among its expert's slots is below what the capacity keeps.
         const int64_t at = static_cast<int64_t>(t.start[source * L + s.local_expert]) + s.rank;
-        if (at < p.capacity) row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
+        row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
       }
       if (piece == 0 && i >= 0) {
         const int64_t id = (source * T + i) * K + k;
-        p.recv_rows[id] = row;
+        p.received.recv_rows[id] = row;
         if (row >= 0) {
-          p.out_weights[row] = s.weight;
-          p.row_slot[row] = static_cast<int32_t>(id);
+          p.received.weights[row] = s.weight;
+          p.received.row_slot[row] = static_cast<int32_t>(id);
         }
       }
     }
@@ -219,7 +272,7 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
   __syncwarp();
   int64_t begin, end;
   PieceBytes(p.row_bytes, p.recv_pieces, piece, &begin, &end);
-  CopyToRows<kStaged>(src + begin, held, count, p.out_x + begin, p.row_bytes, end - begin, lane);
+  CopyToRows<kStaged>(src + begin, held, count, p.received.x + begin, p.row_bytes, end - begin, lane);
   __syncwarp();
 }
 
@@ -232,7 +285,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   if (n < p.num_rows) {
     if (p.expert_layout) {
       const int32_t capacity = static_cast<int32_t>(p.capacity);
-      padding = empty = n % capacity >= t.total[n / capacity];
+      padding = empty = n % capacity >= t.kept[n / capacity];
     } else if (n >= *t.data_end) {
       empty = true;  // past the data: not padding
     } else {
@@ -241,17 +294,17 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
         const int32_t mid = (lo + hi) / 2;
         if (t.seg_start[mid] <= n) lo = mid; else hi = mid;
       }
-      padding = empty = n - t.seg_start[lo] >= t.total[lo];
+      padding = empty = n - t.seg_start[lo] >= t.kept[lo];
     }
   }
   if (empty && piece == 0) {
-    p.out_weights[n] = 0.0f;
-    p.row_slot[n] = padding ? kNoSlot : kPastData;
+    p.received.weights[n] = 0.0f;
+    p.received.row_slot[n] = padding ? kNoSlot : kPastData;
   }
   int64_t begin, end;
   PieceBytes(p.row_bytes, p.fill_pieces, piece, &begin, &end);
   for (unsigned mask = __ballot_sync(0xffffffffu, padding); mask != 0; mask &= mask - 1) {
-    CopyRow(nullptr, p.out_x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
+    CopyRow(nullptr, p.received.x + static_cast<int64_t>(n0 + __ffs(mask) - 1) * p.row_bytes + begin, end - begin, lane);
   }
 }
 
@@ -275,7 +328,7 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   const bool may_run = CallMayRun(g, call, words, phase);  // its barrier also ends the counting
   const bool outputs = blockIdx.x == 0 && may_run;
   OneBlockWrite(rows_memory, rows, slot, num_slots, static_cast<int>(p.topk), E, g.num_ranks, p.s, scratch,
-                outputs ? p.slot_dest : nullptr, outputs ? p.token_dest_pos : nullptr);
+                outputs ? p.routed.slot_dest : nullptr, outputs ? p.routed.token_dest_pos : nullptr);
   __syncthreads();  // the row tables overwrite the count rows that OneBlockWrite's threads read
   if (blockIdx.x == 0 && !p.do_receive) {
     for (int64_t i = threadIdx.x; i < p.s.ints; i += blockDim.x) g.scratch[i] = scratch[i];
@@ -293,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
-  const Call call = CurrentCall(g, kOpDispatch);
+  const Call call = CurrentCall(g, kOpDispatch, p.origin);
   const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
@@ -308,14 +361,14 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
-    if (!may_run && phase == Phase::kStart) PoisonStart(p.token_dest_pos, p.slot_dest, T, R, K);
+    if (!may_run && phase == Phase::kStart) PoisonStart(p.routed.token_dest_pos, p.routed.slot_dest, T, R, K);
     SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
       if (!may_run) return;
       const int64_t first = static_cast<int64_t>(share) * kWarps + at.warp;
       // With one chunk the routing wrote them.
       for (int64_t i = first * 32 + at.lane; p.s.chunks > 1 && i < T * R; i += at.stride * 32) {
         const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
-        p.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
+        p.routed.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
       }
       for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += at.stride) {
         const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
@@ -350,7 +403,8 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   }
 
   const int64_t L = p.local_experts;
-  const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, recv_count, &data_end};
+  const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, table_memory + R * L + 2 * L,
+                      recv_count, &data_end};
   BuildTables(p, g, call, scratch, tables);
   if (blockIdx.x == 0 && at.warp == 0) WriteCounts(p, g, scratch, tables, at.lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
@@ -365,7 +419,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
     const int source = p.tokens.Divide(up.unit);
     const int32_t i = up.unit - source * static_cast<int32_t>(T);
     if (up.piece == 0 && i >= recv_count[source]) {
-      for (int64_t k = at.lane; k < K; k += 32) p.recv_rows[(source * T + i) * K + k] = -1;
+      for (int64_t k = at.lane; k < K; k += 32) p.received.recv_rows[(source * T + i) * K + k] = -1;
     }
     if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
       // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
@@ -407,11 +461,13 @@ Status Plan(DispatchParams* p, const GroupView& g, int64_t* send_items, int64_t*
 Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap& swap, cudaStream_t stream,
                       Phase phase) {
   const int R = g.num_ranks;
-  if (c.num_experts > kMaxExperts || c.num_experts % R != 0 || c.topk > kMaxTopk) {
-    return Status::InvalidArgument("num_experts must be a multiple of R=" + std::to_string(R) +
-                                   " and at most " + std::to_string(kMaxExperts) + ", and topk at most " +
-                                   std::to_string(kMaxTopk) + "; got num_experts=" + std::to_string(c.num_experts) +
-                                   ", topk=" + std::to_string(c.topk));
+  Status status = CheckLimits(c.topk, c.num_experts);
+  if (!status.ok()) return status;
+  if (c.num_experts < R || c.num_experts % R != 0 || c.capacity < 1 || c.alignment < 1) {
+    return Status::InvalidArgument("num_experts must be a positive multiple of R=" + std::to_string(R) + ", capacity "
+                                   "and alignment positive; got num_experts=" + std::to_string(c.num_experts) +
+                                   ", capacity=" + std::to_string(c.capacity) + ", alignment=" +
+                                   std::to_string(c.alignment));
   }
   if (c.num_rows > kMaxItems) {
     return Status::InvalidArgument("the layout has " + std::to_string(c.num_rows) + " rows, more than the " +
@@ -423,13 +479,13 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   p.experts_per_rank = Divisor(p.local_experts);
   p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
   p.region = DispatchRegion(c.num_tokens, c.topk, p.local_experts, c.row_bytes);
-  const size_t tables = static_cast<size_t>(R * p.local_experts + 2 * p.local_experts) * sizeof(int32_t);
+  const size_t tables = static_cast<size_t>((R + kTableArraysOfL) * p.local_experts) * sizeof(int32_t);
   if (tables > static_cast<size_t>(kTableSharedBytes)) {
     return Status::InvalidArgument("the receivers' row tables need " + std::to_string(tables) +
                                    " bytes of shared memory, more than " + std::to_string(kTableSharedBytes));
   }
   int64_t send_items, recv_items;
-  Status status = Plan(&p, g, &send_items, &recv_items);
+  status = Plan(&p, g, &send_items, &recv_items);
   if (!status.ok()) return status;
   bool route = false;  // the dispatch kernel's send launch routes
   if (phase != Phase::kFinish) {
@@ -442,8 +498,8 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
       status = CheckRouting(p.s, g);
       if (!status.ok()) return status;
     } else {
-      const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent} : RoutingStart{};
-      status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.slot_dest, c.token_dest_pos,
+      const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent, c.origin} : RoutingStart{};
+      status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.routed.slot_dest, c.routed.token_dest_pos,
                              start, stream);
       if (!status.ok() || start_only) return status;
     }

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -22,19 +23,45 @@ constexpr int kMaxRanks = 64;
 constexpr int kMaxTopk = 64;         // a token's rows are sorted and held in shared memory
 constexpr int64_t kMaxExperts = 8192;  // the receivers' row tables live in shared memory
 
+// The kernels' limits on a call's sizes, checked once by each launcher (the Python side reads kMaxTopk and
+// kMaxExperts through the extension's limits()); num_experts 0: a call that does not route.
+inline Status CheckLimits(int64_t topk, int64_t num_experts) {
+  if (topk <= kMaxTopk && num_experts <= kMaxExperts) return Status::Ok();
+  return Status::InvalidArgument("topk must be at most " + std::to_string(kMaxTopk) + " and num_experts at most " +
+                                 std::to_string(kMaxExperts) + ", got topk=" + std::to_string(topk) +
+                                 ", num_experts=" + std::to_string(num_experts));
+}
+
 // row_slot of a layout row that holds no slot: inside the data (alignment padding, the expert layout's unused
 // rows), whose x and dy are zeros, or past the data (the ragged tail), whose x and dy no kernel writes.
 constexpr int32_t kNoSlot = -1;
 constexpr int32_t kPastData = -2;
 
-// What a call is: flags carry (call number << 8 | op), so a wait can tell another call's data from its own.
+// What a call is: flags carry its tag, (call number << 24 | call site << 8 | op), so a wait can tell another
+// call's data from its own, also another call at the same position (ranks that took different branches).
 enum Op : uint32_t { kOpDispatch = 1, kOpCombineBackward = 2, kOpCombine = 3 };
+constexpr int kTagSiteShift = 8;
+constexpr int kTagNumberShift = 24;
+JAX_EP_HOST_DEVICE inline uint64_t TagOf(uint64_t number, uint32_t site, uint32_t op) {
+  return (number << kTagNumberShift) | (static_cast<uint64_t>(site & 0xffff) << kTagSiteShift) | (op & 0xff);
+}
+
+// FFI instances (one per jax_ep call of each compiled executable) whose first call this GPU remembers having made.
+constexpr uint32_t kMaxInstances = uint32_t{1} << 16;
+
+// Where a call comes from: its call site (16 bits the Python side derives from the calling code, the same on every
+// rank, in the tag) and its FFI instance (numbered by this process, modulo kMaxInstances): the first call of an
+// instance waits the group's first-call timeout, since processes may finish compiling it minutes apart.
+struct CallOrigin {
+  uint32_t site = 0;
+  uint32_t instance = 0;
+};
 
 // Why a call failed, in HostStatus::code and in the abort word.
 enum FailCode : int32_t {
   kOk = 0,
   kMissingPeer = 1,  // a wait for `peer` passed the group's timeout
-  kOutOfOrder = 2,   // `peer` ran another jax_ep call of the group at this position (calls issued in different orders)
+  kOutOfOrder = 2,   // `peer` ran another jax_ep call of the group at this position (another op, or call site)
   kWrongRank = 3,    // lax.axis_index differed from the rank the group gave this GPU
   kNcclTimeout = 5,  // an NCCL swap did not finish within the timeout (the watchdog aborted the communicator)
   kSplitOpen = 6,    // a call met a split op's start without its finish (or a finish without its start)
@@ -44,6 +71,17 @@ enum FailCode : int32_t {
 // What one launch of a transfer does: the whole call, or one half of a split op. A start sends and leaves the
 // call open (Signals::open) until its finish receives; the group may run no other call in between.
 enum class Phase { kWhole, kStart, kFinish };
+
+// SMs that the transfer kernels of a group of several GPUs leave free unless jax_ep.initialize's num_sms says
+// otherwise (at most half the GPU's).
+constexpr int kSmsLeft = 32;
+
+// The SM budget of a group of `num_ranks` GPUs on a GPU of `device_sms` SMs when num_sms is not given: kSmsLeft
+// left to the kernels that run beside its own (XLA's collectives need SMs on every GPU to finish, and compute may
+// overlap the exchange); a group of one GPU waits for nobody and takes every SM.
+inline int DefaultNumSms(int device_sms, int num_ranks) {
+  return num_ranks > 1 ? std::max(device_sms - kSmsLeft, (device_sms + 1) / 2) : device_sms;
+}
 
 // Lives in each GPU's memory; peers write flag[][me] and abort.
 struct Signals {
@@ -56,6 +94,7 @@ struct Signals {
   uint32_t kernel_done;         // blocks of a call's last launch that have checked the call (ArriveCall)
   uint32_t routing_done;        // ... of the routing kernel
   uint32_t reported;            // 1 once a thread claimed the host status (Report)
+  uint32_t first_done[kMaxInstances / 32];  // bit i: a call of FFI instance i finished on this GPU
 };
 
 // Pinned host memory, mapped for the kernels: the first failure on this GPU, for the handlers and Group.check.
@@ -66,9 +105,11 @@ struct HostStatus {
   int32_t op;            // Op of the failed call
   int32_t relayed;       // 1: `reporter` is another rank, which saw the failure first and told this one
   uint64_t call;         // its call number
+  uint64_t tag;          // its tag
   uint64_t seen;         // the flag value a wait saw last
   uint64_t nccl_started;  // call number of the latest NCCL swap enqueued (written by the send kernel)
   uint64_t nccl_done;     // ... of the latest one finished (written by the receive kernel)
+  int32_t nccl_first;     // 1: the latest swap enqueued is the first call of its FFI instance (first-call timeout)
 };
 
 struct PeerTable {
@@ -87,7 +128,7 @@ struct GroupView {
   const PeerTable* peers;  // device copy of every rank's staging and signals
   HostStatus* status;      // device address of the host-mapped status
   uint64_t timeout_ns;     // give up waiting for a peer after this long
-  uint64_t first_timeout_ns;  // ... in the group's first call: processes may finish compiling minutes apart
+  uint64_t first_timeout_ns;  // ... in the first call of an FFI instance: processes may finish compiling minutes apart
   uint64_t nccl_ranks;     // bit r: rank r is reached through NCCL, not by peer stores
   char* outbox;            // rows for NCCL ranks: region d goes to rank d (null without NCCL ranks)
   char* inbox;             // rows from NCCL ranks: region s came from rank s (the swap is stream-ordered)
@@ -170,27 +211,74 @@ struct RoutingScratch {
   RoutingScratch(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t num_ranks);
 };
 
+// Bytes of GPU memory jax_ep.initialize allocates on each GPU of a group for calls of up to these sizes
+// (jax_ep.buffer_size_hint): the staging, as much again for the outbox and inbox with ranks reached through NCCL,
+// the routing scratch, the signals and the peer table.
+inline int64_t DeviceBytes(int64_t num_ranks, int64_t num_tokens, int64_t row_bytes, int64_t topk, int64_t num_experts,
+                           bool nccl) {
+  const int64_t local_experts = num_experts / num_ranks > 1 ? num_experts / num_ranks : 1;
+  const int64_t staging = StagingBytes(num_ranks, num_tokens, row_bytes, topk, local_experts);
+  const int64_t scratch = RoutingScratch(num_tokens, topk, num_experts, num_ranks).ints * 4;
+  return staging * (nccl ? 2 : 1) + scratch + static_cast<int64_t>(sizeof(Signals) + sizeof(PeerTable));
+}
+
 // What a transfer enqueues between its send and receive kernels when some ranks are reached through NCCL:
 // region d of the outbox goes to rank d, and rank d's region lands in region d of the inbox.
 using NcclSwap = std::function<Status(int64_t region_bytes)>;
 
 enum class FloatType { kF32, kBF16, kF16 };
 
-// Dispatch: routing of topk_idx and the tokens' trip into the layout; outputs as kTargets (ffi/xla/handlers.h)
-// names them. x is [T, row_bytes]; the layout has num_rows rows of row_bytes. A start writes token_dest_pos and
-// slot_dest (the other outputs may be null), a finish the others (those two may be null).
+// A call's outputs, one struct per op and phase, their fields in the order of the results of the op's spec in
+// jax_ep/ep/backends/cuda.py (the handlers fill them in that order).
+// What a dispatch's receive phase writes (RECEIVED): the layout's rows and their weights, the sizes, and the
+// receive side of the handle.
+struct DispatchReceived {
+  char* x;               // [N, row_bytes]
+  float* weights;        // [N]
+  int32_t* group_sizes;  // [L]
+  int32_t* num_dropped;  // []
+  int32_t* num_invalid;  // []
+  int32_t* expert_load;  // [L]: slots routed to each local expert, before capacity
+  int32_t* send_counts;  // [R]
+  int32_t* recv_rows;    // [R, T, K]
+  int32_t* recv_counts;  // [R]
+  int32_t* row_slot;     // [N]
+};
+constexpr size_t kDispatchReceived = 10;
+// What its routing writes (ROUTED): a whole call's, or a start's.
+struct DispatchRouted {
+  int32_t* token_dest_pos;  // [T, R]
+  int32_t* slot_dest;       // [T, K]
+};
+constexpr size_t kDispatchRouted = 2;
+// Combine (COMBINED).
+struct CombineOutputs {
+  void* out;           // [T, H] in y's type
+  float* slot_values;  // [T, K], with row values, else null
+};
+// The backward pass of combine (BACKWARD).
+struct CombineBackwardOutputs {
+  void* dy;         // [N, H] in y's type
+  float* dweights;  // [N], with weights, else null
+};
+static_assert(sizeof(DispatchReceived) == kDispatchReceived * sizeof(void*) &&
+              sizeof(DispatchRouted) == kDispatchRouted * sizeof(void*));
+
+// Dispatch: routing of topk_idx and the tokens' trip into the layout. x is [T, row_bytes]; the layout has num_rows
+// rows of row_bytes. A start writes the routed outputs (the received are null), a finish the received (the routed
+// are null); balanced: capacity's drop policy "balanced" (ragged layout), else "expert".
 struct DispatchCall {
+  CallOrigin origin;
   const char* x;
   const int32_t* topk_idx;
   const float* topk_weights;
   const int32_t* axis_index;
   int64_t num_tokens, row_bytes, topk, num_experts, capacity, alignment, num_rows;
   bool expert_layout;
-  char* out_x;
-  float* out_weights;
-  int32_t *group_sizes, *num_dropped, *num_invalid, *token_dest_pos, *send_counts, *slot_dest, *recv_rows,
-      *recv_counts, *row_slot;
-  float* sent;  // [1], a start's output (written 0), else null
+  bool balanced = false;
+  DispatchReceived received{};
+  DispatchRouted routed{};
+  float* sent = nullptr;  // [1], a start's output (written 0), else null
 };
 Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
                       Phase phase);
@@ -199,6 +287,7 @@ Status LaunchDispatch(const DispatchCall& call, const GroupView& group, const Nc
 // it reached, where dy = w * g (y's type) and dweights = <g, y[row]> (float32) are computed; rows that hold no
 // slot get 0. Without weights: dy = g and no dweights.
 struct CombineBackwardCall {
+  CallOrigin origin;
   const void* g;            // [T, H], y's type
   const void* y;            // [N, H]
   const float* weights;     // [N] or null
@@ -206,9 +295,8 @@ struct CombineBackwardCall {
   const int32_t *token_dest_pos, *recv_rows, *recv_counts, *row_slot;
   int64_t num_tokens, hidden, topk, num_rows;
   FloatType type;
-  void* dy;                 // [N, H]; null in a start
-  float* dweights;          // [N] when weights, in a finish or a whole call
-  float* sent;              // [1], a start's output (written 0): what its finish waits on in XLA's graph
+  CombineBackwardOutputs outputs{};  // null in a start
+  float* sent = nullptr;             // [1], a start's output (written 0): what its finish waits on in XLA's graph
 };
 Status LaunchCombineBackward(const CombineBackwardCall& call, const GroupView& group, const NcclSwap& swap,
                              cudaStream_t stream, Phase phase);
@@ -218,6 +306,7 @@ Status LaunchCombineBackward(const CombineBackwardCall& call, const GroupView& g
 // split combine whose finish has no y: the backward pass of dispatch_start), the start stages this rank's own
 // partial sums too, and the finish reads only token_dest_pos and slot_dest (the other inputs may be null).
 struct CombineCall {
+  CallOrigin origin;
   const void* y;
   const float* weights;     // [N] or null (weight 1)
   const float* row_values;  // [N] or null
@@ -227,9 +316,8 @@ struct CombineCall {
   FloatType type;
   bool partial_f32;  // partial sums travel as float32 (else in y's type)
   bool stage_own;
-  void* out;
-  float* slot_values;  // [T, K] when row_values
-  float* sent;         // [1], a start's output
+  CombineOutputs outputs{};  // null in a start
+  float* sent = nullptr;     // [1], a start's output
 };
 Status LaunchCombine(const CombineCall& call, const GroupView& group, const NcclSwap& swap, cudaStream_t stream,
                      Phase phase);
@@ -244,6 +332,7 @@ Status PrepareCombineBackwardKernels();
 struct RoutingStart {
   const int32_t* axis_index = nullptr;  // null: a plain routing
   float* link = nullptr;
+  CallOrigin origin;
 };
 
 // The routing scratch `s` fits the group's (routing.cu).

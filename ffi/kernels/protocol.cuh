@@ -1,7 +1,7 @@
 // The transfer protocol, written once: every call of a group, on every GPU, is
 //   send:    stores into each peer's staging half (call parity), then whichever block finishes the last share of
-//            the send work raises this rank's flag flag[parity][me] = tag on every peer, tag = (call number << 8 |
-//            op), and writes the tag at the head of each region bound for a rank reached through NCCL;
+//            the send work raises this rank's flag flag[parity][me] = tag on every peer, tag = TagOf(call number,
+//            call site, op), and writes the tag at the head of each region bound for a rank reached through NCCL;
 //   receive: every block waits until each peer's flag equals the tag exactly (and each NCCL region carries it),
 //            reads its own staging half, and the last block to check the call counts it done.
 // The send work comes in shares that resident blocks claim (SendShares), so a rank's flags never wait for blocks
@@ -11,9 +11,10 @@
 // ops: a start leaves its call open in Signals::open until its finish; any other call meanwhile gives up).
 // A call writes the half of its parity, which every peer last read two calls ago: a peer's flag for this
 // call means it finished the call before, so halves are never overwritten while read. A wait that sees
-// another tag at this call's number (the ranks issued calls in another order), passes the timeout, or finds
-// the abort word set, gives up: it records why in host-mapped memory and tells every peer, whose calls then
-// give up too. Nothing per call lives on the host, so the calls can be captured in CUDA graphs.
+// another tag at this call's number (the ranks issued calls in another order, or took different branches to
+// calls of other call sites), passes the timeout, or finds the abort word set, gives up: it records why in
+// host-mapped memory and tells every peer, whose calls then give up too. Nothing per call lives on the host, so
+// the calls can be captured in CUDA graphs.
 #pragma once
 
 #include <cstdint>
@@ -57,10 +58,11 @@ __device__ inline uint64_t AbortWord(int code, int reporter, int peer) {
 
 // The call a kernel serves; every kernel of a call reads the same number.
 struct Call {
-  uint64_t number;  // 1, 2, ... on every GPU of the group alike
-  int parity;       // staging half and flag set of this call
+  uint64_t number;    // 1, 2, ... on every GPU of the group alike
+  int parity;         // staging half and flag set of this call
   uint64_t tag;
   int op;
+  uint32_t instance;  // its FFI instance (CallOrigin)
 };
 
 // A thread's place in a kernel whose blocks of kBlockWarps warps share items: its lane, its warp in the block, its
@@ -76,9 +78,29 @@ struct GridWarp {
         stride(static_cast<int64_t>(gridDim.x) * kBlockWarps) {}
 };
 
-__device__ inline Call CurrentCall(const GroupView& g, int op) {
+__device__ inline Call CurrentCall(const GroupView& g, int op, const CallOrigin& origin) {
   const uint64_t number = Volatile(&g.signals->calls) + 1;
-  return Call{number, static_cast<int>(number & 1), (number << 8) | static_cast<uint64_t>(op), op};
+  return Call{number, static_cast<int>(number & 1), TagOf(number, origin.site, op), op, origin.instance};
+}
+
+// Whether this is the first call of its FFI instance on this GPU: it waits the first-call timeout.
+__device__ inline bool FirstOfInstance(const GroupView& g, const Call& call) {
+  const uint32_t word = *reinterpret_cast<const volatile uint32_t*>(&g.signals->first_done[call.instance / 32]);
+  return ((word >> (call.instance % 32)) & 1) == 0;
+}
+
+// By one thread once a call's launch ends it (a finish's or a whole call's last block, or a start that leaves its
+// call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit.
+__device__ inline void MarkFirstCallMade(const GroupView& g, const Call& call) {
+  uint32_t* done = &g.signals->first_done[call.instance / 32];
+  const uint32_t bit = 1u << (call.instance % 32);
+  if ((*reinterpret_cast<volatile uint32_t*>(done) & bit) == 0) atomicOr(done, bit);
+}
+
+// By one thread: a start leaves its call open for its finish (CallMayRun).
+__device__ inline void OpenCall(const GroupView& g, const Call& call) {
+  *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+  MarkFirstCallMade(g, call);
 }
 
 // Writes the host status from the abort word, once per GPU: the first thread to claim Signals::reported, unless
@@ -90,6 +112,7 @@ __device__ inline void Report(const GroupView& g, const Call& call, uint64_t wor
   status->reporter = static_cast<int32_t>((word >> 16) & 0xffff);
   status->op = call.op;
   status->call = call.number;
+  status->tag = call.tag;
   status->seen = seen;
   status->relayed = (word & kRelayed) != 0;
   __threadfence_system();
@@ -220,7 +243,10 @@ __device__ inline char* RegionAt(const GroupView& g, const Call& call, int dest,
 // receiver then refuses: WaitPeers).
 __device__ inline void RaiseFlags(const GroupView& g, const Call& call, int64_t region_bytes) {
   if (g.nccl_ranks != 0) {  // the swap follows this kernel whatever happened: the watchdog watches it
-    reinterpret_cast<volatile HostStatus*>(g.status)->nccl_started = call.number;
+    volatile HostStatus* status = g.status;
+    status->nccl_first = FirstOfInstance(g, call);
+    __threadfence_system();
+    status->nccl_started = call.number;
     __threadfence_system();
   }
   if (Aborted(g, call)) return;  // a share of this call gave up, or will: its data is not there
@@ -245,7 +271,7 @@ __device__ inline void SendShares(const GroupView& g, const Call& call, Phase ph
   if (g.num_ranks == 1) {
     work(blockIdx.x);
     if (phase == Phase::kStart && LastBlock<Fence::kNone>(&g.signals->send_done) && threadIdx.x == 0) {
-      *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+      OpenCall(g, call);
     }
     return;
   }
@@ -258,7 +284,7 @@ __device__ inline void SendShares(const GroupView& g, const Call& call, Phase ph
     if (share >= gridDim.x) {
       if (threadIdx.x == 0 && share == 2 * gridDim.x - 1) {  // each block's one failed claim: this is the last
         g.signals->send_next = 0;
-        if (phase == Phase::kStart) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+        if (phase == Phase::kStart) OpenCall(g, call);
       }
       return;
     }
@@ -285,18 +311,18 @@ __device__ inline bool WaitPeers(const GroupView& g, const Call& call, int64_t r
   const int peer = threadIdx.x;
   if (peer < g.num_ranks && peer != g.rank && ByNccl(g.nccl_ranks, peer)) {
     const uint64_t seen = __ldcg(reinterpret_cast<const unsigned long long*>(RegionFrom(g, call, peer, region_bytes)));
-    if (seen != call.tag) {
-      Fail(g, call, kStaleRegion, peer, seen);
+    if (seen != call.tag) {  // another call at this position, or the region of a rank that gave up on it
+      Fail(g, call, (seen >> kTagNumberShift) == call.number ? kOutOfOrder : kStaleRegion, peer, seen);
       failed = 1;
     }
   } else if (peer < g.num_ranks && peer != g.rank) {
     const uint64_t* flag = &g.signals->flag[call.parity][peer];
     const uint64_t start = NowNs();
-    const uint64_t timeout = call.number == 1 ? g.first_timeout_ns : g.timeout_ns;
+    const uint64_t timeout = FirstOfInstance(g, call) ? g.first_timeout_ns : g.timeout_ns;
     for (uint32_t spin = 0;; ++spin) {
       const uint64_t seen = LoadRelaxed(flag);
       if (seen == call.tag) break;
-      if ((seen >> 8) >= call.number) {
+      if ((seen >> kTagNumberShift) >= call.number) {
         Fail(g, call, kOutOfOrder, peer, seen);
         failed = 1;
         break;
@@ -327,14 +353,15 @@ __device__ inline uint32_t ArriveCall(const GroupView& g) {
   return threadIdx.x == 0 ? atomicAdd(&g.signals->kernel_done, 1u) : 0;
 }
 
-// Every block ends a call here. The last block to arrive (ArriveCall) counts the call done on this GPU and
-// closes it: every block has read both words by then, and only this GPU's later kernels read them again, so
-// nothing waits for the other blocks' ends, and nothing fences.
+// Every block ends a call here. The last block to arrive (ArriveCall) counts the call done on this GPU, closes
+// it and marks its FFI instance's first call made: every block has read these words by then, and only this GPU's
+// later kernels read them again, so nothing waits for the other blocks' ends, and nothing fences.
 __device__ inline void FinishCall(const GroupView& g, const Call& call, uint32_t arrival) {
   if (threadIdx.x == 0 && arrival == gridDim.x - 1) {
     g.signals->kernel_done = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = 0;
     *reinterpret_cast<volatile uint64_t*>(&g.signals->calls) = call.number;
+    MarkFirstCallMade(g, call);
   }
 }
 

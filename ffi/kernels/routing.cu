@@ -68,7 +68,7 @@ __device__ inline void EndStart(const GroupView& g, const Call& call, bool may_r
   if (!may_run) PoisonStart(token_dest_pos, slot_dest, num_tokens, g.num_ranks, topk);
   if (threadIdx.x == 0) {
     *start.link = 0.0f;
-    if (may_run) *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
+    if (may_run) OpenCall(g, call);
   }
 }
 
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kRoutingWarps * 32, 1)
   }
   // A start that only opens its call: its checks load while the slots do.
   const bool opens_call = start.axis_index != nullptr;
-  const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
+  const Call call = opens_call ? CurrentCall(g, kOpDispatch, start.origin) : Call{};
   const bool may_run = !opens_call || CallMayRun(g, call, start.axis_index, Phase::kStart);
   int invalid = 0;
 #pragma unroll
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t num_slots = num_tokens * topk;
   const int32_t e = static_cast<int32_t>(threadIdx.x) < num_slots ? __ldg(topk_idx + threadIdx.x) : -1;
   const bool opens_call = start.axis_index != nullptr;
-  const Call call = opens_call ? CurrentCall(g, kOpDispatch) : Call{};
+  const Call call = opens_call ? CurrentCall(g, kOpDispatch, start.origin) : Call{};
   OneBlockZero(count_rows, rows, num_experts, g.num_ranks);
   bool may_run = true;
   if (opens_call) {

@@ -227,6 +227,11 @@ __device__ inline void Poison(void* p, int64_t bytes) {
   for (int64_t i = first; i < bytes; i += threads) c[i] = static_cast<char>(0xff);
 }
 
+// One warp fills `bytes` at dst with 0xff (a failed call's outputs, as Poison).
+__device__ inline void PoisonBytes(void* dst, int64_t bytes, int lane) {
+  for (int64_t b = lane; b < bytes; b += 32) static_cast<char*>(dst)[b] = static_cast<char>(0xff);
+}
+
 // Poisons a dispatch start's outputs: token_dest_pos [T, R] and slot_dest [T, K].
 __device__ inline void PoisonStart(int32_t* token_dest_pos, int32_t* slot_dest, int64_t num_tokens, int64_t num_ranks,
                                    int64_t topk) {

@@ -33,11 +33,13 @@ struct IpcHandles {
   cudaIpcMemHandle_t signals;
 };
 
+uint32_t SiteOf(uint64_t tag) { return static_cast<uint32_t>((tag >> kTagSiteShift) & 0xffff); }
+
 const char* OpName(int op) {
   switch (op) {
     case kOpDispatch: return "dispatch";
     case kOpCombineBackward: return "the backward pass of combine";
-    case kOpCombine: return "combine";
+    case kOpCombine: return "combine (or the backward pass of dispatch)";
   }
   return "a jax_ep call";
 }
@@ -83,7 +85,8 @@ std::string DeviceResources::Failure() const {
   const int code = s->code;
   if (code == kOk) return "";
   const std::string where = "GPU " + Str(ordinal) + " (rank " + Str(rank) + " of its EP group)";
-  const std::string call = OpName(s->op) + std::string(" (call ") + Str(static_cast<int64_t>(s->call)) + ")";
+  const std::string site = s->tag != 0 ? ", call site " + Str(SiteOf(s->tag)) : "";  // the watchdog knows none
+  const std::string call = OpName(s->op) + std::string(" (call ") + Str(static_cast<int64_t>(s->call)) + site + ")";
   // Who saw it: this GPU, or another rank that told this one.
   const std::string who = s->relayed ? "rank " + Str(s->reporter) + " of the EP group of " + where : where;
   const std::string peer = s->relayed && s->peer == rank ? Str(s->peer) + " (this GPU)" : Str(s->peer);
@@ -97,6 +100,13 @@ std::string DeviceResources::Failure() const {
              " stopped or came late (a crashed or stalled process, a hung GPU, a computation that runs on only part "
              "of the mesh)";
     case kOutOfOrder:
+      if (s->seen >> kTagNumberShift == s->call) {
+        return "jax_ep: " + who + " met rank " + peer + " in another jax_ep call at the same position: that rank ran " +
+               OpName(static_cast<int>(s->seen & 0xff)) + " from call site " + Str(SiteOf(s->seen)) + " where this " +
+               "GPU ran " + call + ". The ranks took different branches to jax_ep calls (a lax.cond or "
+               "lax.switch on a value that differs between ranks), or ran independent calls in different orders; "
+               "jax_ep.Group.check() names the call sites of this process" + out_of_step;
+      }
       return "jax_ep: " + who + " met rank " + peer +
              " in another call: the ranks issued the group's jax_ep calls in different orders" + out_of_step;
     case kWrongRank:
@@ -299,7 +309,8 @@ Status Group::ConnectNccl(const std::vector<int>& ordinals, const std::vector<st
     }
     const DeviceResources& device = *it->second;
     specs.push_back({device.ordinal, device.rank, device.num_ranks, device.nccl_ranks, unique_ids[i],
-                     device.half_bytes, device.status});
+                     device.half_bytes, device.status,
+                     std::chrono::milliseconds(static_cast<int64_t>(device.first_timeout_ns / 1000000))});
   }
   std::vector<std::unique_ptr<NcclLink>> links;
   Status error = NcclLink::Create(specs, std::chrono::milliseconds(timeout_ms), std::chrono::milliseconds(setup_timeout_ms),
@@ -328,19 +339,29 @@ void Group::StopWatchdog() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-void Group::ClosePeerMappings() {
+void Group::Stop() {
+  {
+    std::unique_lock<std::shared_mutex> launches(launches_mutex_);
+    released_ = true;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   DeviceGuard guard;
   for (auto& [ordinal, device] : devices_) {
     cudaSetDevice(ordinal);
     cudaDeviceSynchronize();
+  }
+}
+
+void Group::ClosePeerMappings() {
+  Stop();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [ordinal, device] : devices_) {
     for (void* mapped : device->opened) cudaIpcCloseMemHandle(mapped);
     device->opened.clear();
   }
 }
 
 void Group::Release() {
-  released_ = true;
   ClosePeerMappings();
   StopWatchdog();
   std::map<int, std::shared_ptr<DeviceResources>> devices;

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,17 +16,6 @@
 #include "nccl_link.h"
 
 namespace jax_ep {
-
-// SMs that the transfer kernels of a group of several GPUs leave free unless jax_ep.initialize's num_sms says
-// otherwise (at most half the GPU's).
-constexpr int kSmsLeft = 32;
-
-// The SM budget of a group of `num_ranks` GPUs on a GPU of `device_sms` SMs when num_sms is not given: kSmsLeft
-// left to the kernels that run beside its own (XLA's collectives need SMs on every GPU to finish, and compute may
-// overlap the exchange); a group of one GPU waits for nobody and takes every SM.
-inline int DefaultNumSms(int device_sms, int num_ranks) {
-  return num_ranks > 1 ? std::max(device_sms - kSmsLeft, (device_sms + 1) / 2) : device_sms;
-}
 
 // One GPU's part of a group: its rank, its memory, and a device table of every rank's staging and signals.
 struct DeviceResources {
@@ -36,7 +26,7 @@ struct DeviceResources {
   int64_t half_bytes = 0;                // each of the two staging halves
   int64_t scratch_ints = 0;
   uint64_t timeout_ns = 0;
-  uint64_t first_timeout_ns = 0;
+  uint64_t first_timeout_ns = 0;         // the first call of each FFI instance
   char* staging = nullptr;               // [2][half_bytes], written by peers
   Signals* signals = nullptr;            // flags, abort word, call count
   PeerTable* peers = nullptr;            // device copy of every rank's staging and signals
@@ -89,12 +79,15 @@ class Group {
   Status ConnectNccl(const std::vector<int>& ordinals, const std::vector<std::string>& unique_ids,
                      int64_t timeout_ms, int64_t setup_timeout_ms);
   void Commit() { committed_ = true; }
-  // Unmaps other processes' memory after synchronizing the devices (jax_ep.finalize puts a barrier between
-  // this and Release, so no process frees memory another still maps).
+  // Stops the group (Stop), then unmaps other processes' memory (jax_ep.finalize puts a barrier between this and
+  // Release, so no process frees memory another still maps).
   void ClosePeerMappings();
-  // Stops the group: later calls fail, and each GPU's memory is freed once no call in flight holds it.
+  // Stops the group, and frees each GPU's memory once no call in flight holds it.
   void Release();
 
+  // Held by an execute handler from its check that the group is usable to the return of its launches, so that
+  // Stop, which waits for it, never frees or unmaps memory that a launch is about to reach.
+  std::shared_lock<std::shared_mutex> LockLaunches() const { return std::shared_lock(launches_mutex_); }
   int64_t id() const { return id_; }
   bool usable() const { return committed_ && !released_; }
   // The resources of a GPU (kept alive by the pointer), or null when it is in no group of this axis.
@@ -109,8 +102,12 @@ class Group {
 
  private:
   void StopWatchdog();
+  // Later launches fail (usable() is false); waits for launches under way (LockLaunches), then for every kernel
+  // queued on the group's GPUs.
+  void Stop();
 
   int64_t id_;
+  mutable std::shared_mutex launches_mutex_;
   mutable std::mutex mutex_;
   std::map<int, std::shared_ptr<DeviceResources>> devices_;
   std::atomic<bool> committed_{false};

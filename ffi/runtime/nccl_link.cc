@@ -1,6 +1,7 @@
 // NCCL communicators, outboxes, inboxes and the swap watchdog of the ranks that reach each other through NCCL.
 #include "nccl_link.h"
 
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -46,12 +47,24 @@ void Pause(int polls) {
   }
 }
 
+// NVLink multicast (NVLS) off in the communicator's config where this NCCL has the field: jax_ep sends with
+// ncclSend/ncclRecv only, and NVLS buffers would be multicast objects. (NCCL_NVLS_ENABLE=0, which jax_ep also sets,
+// takes effect only before the process's first NCCL call, which may be XLA's.)
+template <typename Config>
+auto NvlsOff(Config* config, int) -> decltype(config->nvlsHostMode = 0, void()) {
+  config->nvlsHostMode = INT_MAX;  // ncclNvlsHostModeDisable
+}
+template <typename Config>
+void NvlsOff(Config*, long) {}
+
 }  // namespace
+
+// CTAs NCCL may run for jax_ep's swaps: XLA's own NCCL collectives and compute run beside them and need SMs too.
+constexpr int kNcclMaxCtas = 8;
 
 Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::milliseconds timeout,
                         std::chrono::milliseconds setup_timeout,
                         std::vector<std::unique_ptr<NcclLink>>* links) {
-  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // NVLink multicast stays off unless the user chose
   for (const Spec& spec : specs) {
     if (spec.unique_id.size() != sizeof(ncclUniqueId)) {
       return Status::InvalidArgument("jax_ep.initialize: an NCCL unique id must have " + Str(sizeof(ncclUniqueId)) +
@@ -68,6 +81,7 @@ Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::millisecond
     link->nccl_ranks_ = spec.nccl_ranks;
     link->status_ = spec.status;
     link->timeout_ = timeout;
+    link->first_timeout_ = std::max(timeout, spec.first_timeout);
     cudaError_t status = cudaSetDevice(spec.ordinal);
     if (status == cudaSuccess) status = cudaMalloc(&link->outbox_, spec.half_bytes);
     if (status == cudaSuccess) status = cudaMalloc(&link->inbox_, spec.half_bytes);
@@ -80,6 +94,8 @@ Status NcclLink::Create(const std::vector<Spec>& specs, std::chrono::millisecond
   // Non-blocking: ncclGroupEnd returns while NCCL inits (and later connects, enqueues) in the background.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
+  config.maxCTAs = kNcclMaxCtas;
+  NvlsOff(&config, 0);
   ncclResult_t result = ncclGroupStart();
   for (size_t i = 0; i < specs.size(); ++i) {
     const Spec& spec = specs[i];
@@ -161,13 +177,22 @@ Status NcclLink::Settle(const std::vector<std::unique_ptr<NcclLink>>& links, ncc
 // NCCL requires every communicator of a failed group to be aborted. Nothing else uses them yet: no watchdog.
 Status NcclLink::AbortAll(const std::vector<std::unique_ptr<NcclLink>>& links, const Status& why, bool timed_out) {
   for (const auto& link : links) {
-    std::lock_guard<std::mutex> lock(link->mutex_);
-    link->AbortLocked(why, timed_out);
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(link->mutex_);
+      link->AbortLocked(why, timed_out, &comm);
+    }
+    Abort(comm);
   }
   return why;
 }
 
-Status NcclLink::AbortLocked(const Status& why, bool timed_out) {
+void NcclLink::Abort(ncclComm_t comm) {
+  if (comm != nullptr) ncclCommAbort(comm);  // its kernels return, so the stream moves on
+}
+
+Status NcclLink::AbortLocked(const Status& why, bool timed_out, ncclComm_t* comm) {
+  *comm = nullptr;
   if (aborted_) return failure_;
   if (timed_out) {
     volatile HostStatus* failed = status_;
@@ -178,7 +203,8 @@ Status NcclLink::AbortLocked(const Status& why, bool timed_out) {
       failed->code = kNcclTimeout;
     }
   }
-  if (comm_ != nullptr) ncclCommAbort(comm_);  // its kernels return, so the stream moves on
+  *comm = comm_;
+  comm_ = nullptr;
   aborted_ = true;
   failure_ = why;
   return why;
@@ -191,8 +217,8 @@ NcclLink::~NcclLink() {
   cudaDeviceSynchronize();
   // Abort frees this process's side without waiting for the other ranks; nothing is in flight by now
   // (jax_ep.finalize puts a barrier between the processes first), or a rank is gone for good. An aborted
-  // communicator is freed already.
-  if (comm_ != nullptr && !aborted_) ncclCommAbort(comm_);
+  // communicator is freed already (comm_ is null).
+  Abort(comm_);
   cudaFree(outbox_);
   cudaFree(inbox_);
   cudaSetDevice(saved);
@@ -200,7 +226,17 @@ NcclLink::~NcclLink() {
 
 Status NcclLink::Swap(int64_t region_bytes, cudaStream_t stream) {
   const std::string what = "the NCCL swap (ncclSend/ncclRecv) of GPU " + Str(ordinal_);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         what + " was asked for while its stream is captured into a CUDA graph: a group that "
+                         "reaches a rank through NCCL must not run inside command buffers (jax_ep calls of such "
+                         "groups use FFI targets that XLA does not capture; see docs/cuda_backend.md)");
+  }
   const Clock::time_point deadline = Clock::now() + timeout_;
+  ncclComm_t aborted = nullptr;
+  Status status = Status::Ok();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (aborted_) {
@@ -217,7 +253,11 @@ Status NcclLink::Swap(int64_t region_bytes, cudaStream_t stream) {
     const ncclResult_t end = ncclGroupEnd();
     if (Taken(result)) result = end;
     if (result == ncclSuccess) return Status::Ok();  // on the stream already
-    if (result != ncclInProgress) return AbortLocked(NcclError(what, result, comm_), /*timed_out=*/false);
+    if (result != ncclInProgress) status = AbortLocked(NcclError(what, result, comm_), /*timed_out=*/false, &aborted);
+  }
+  if (!status.ok()) {
+    Abort(aborted);
+    return status;
   }
   // NCCL enqueues in the background (connecting first if it must); the stream gets nothing else before it has.
   // mutex_ is free between polls, so the watchdog may abort meanwhile: then this swap reports its failure.
@@ -227,33 +267,45 @@ Status NcclLink::Swap(int64_t region_bytes, cudaStream_t stream) {
       if (aborted_) return failure_;
       const ncclResult_t state = StateOf(comm_);
       if (state == ncclSuccess) return Status::Ok();
-      if (state != ncclInProgress) return AbortLocked(NcclError(what, state, comm_), /*timed_out=*/false);
-      if (Clock::now() >= deadline) return AbortLocked(Timeout(what, timeout_), /*timed_out=*/true);
+      if (state != ncclInProgress) {
+        status = AbortLocked(NcclError(what, state, comm_), /*timed_out=*/false, &aborted);
+      } else if (Clock::now() >= deadline) {
+        status = AbortLocked(Timeout(what, timeout_), /*timed_out=*/true, &aborted);
+      }
+    }
+    if (!status.ok()) {
+      Abort(aborted);
+      return status;
     }
     Pause(polls);
   }
 }
 
 void NcclLink::Check() {
-  // A swap holds mutex_ only inside NCCL calls that return at once (or while it aborts): the next poll looks.
-  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock() || aborted_) return;
-  const volatile HostStatus* status = status_;
-  const uint64_t started = status->nccl_started, done = status->nccl_done;
-  if (started == done) {
-    pending_call_ = 0;
-    return;
+  // A swap holds mutex_ only inside NCCL calls that return at once: the next poll looks.
+  ncclComm_t aborted = nullptr;
+  {
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (!lock.owns_lock() || aborted_) return;
+    const volatile HostStatus* status = status_;
+    const uint64_t started = status->nccl_started, done = status->nccl_done;
+    if (started == done) {
+      pending_call_ = 0;
+      return;
+    }
+    const Clock::time_point now = Clock::now();
+    if (pending_call_ != started) {  // a swap not seen before: its time starts now
+      pending_call_ = started;
+      pending_since_ = now;
+      pending_timeout_ = status->nccl_first ? first_timeout_ : timeout_;
+      return;
+    }
+    if (now - pending_since_ <= pending_timeout_) return;
+    AbortLocked(Timeout("an NCCL swap of GPU " + Str(ordinal_) + " (call " + Str(static_cast<int64_t>(started)) + ")",
+                        pending_timeout_),
+                /*timed_out=*/true, &aborted);
   }
-  const Clock::time_point now = Clock::now();
-  if (pending_call_ != started) {  // a swap not seen before: its time starts now
-    pending_call_ = started;
-    pending_since_ = now;
-    return;
-  }
-  if (now - pending_since_ <= timeout_) return;
-  AbortLocked(Timeout("an NCCL swap of GPU " + Str(ordinal_) + " (call " + Str(static_cast<int64_t>(started)) + ")",
-                      timeout_),
-              /*timed_out=*/true);
+  Abort(aborted);
 }
 
 }  // namespace jax_ep

@@ -31,6 +31,7 @@ class NcclLink {
     std::string unique_id;  // the group's ncclUniqueId, the same in every process
     int64_t half_bytes;     // size of the outbox and the inbox
     HostStatus* status;     // the GPU's host-mapped status (the send/receive kernels write the swap's call number)
+    std::chrono::milliseconds first_timeout;  // the watchdog's timeout for the first call of an FFI instance
   };
 
   // Communicators of several local GPUs, created in one NCCL group (one thread drives them all), then one
@@ -46,9 +47,9 @@ class NcclLink {
   // and its region lands in region d of the inbox. Sizes are fixed, so no count ever travels to the host.
   // Returns once NCCL has put it on the stream, or aborts the communicator if that takes longer than the timeout.
   Status Swap(int64_t region_bytes, cudaStream_t stream);
-  // The watchdog's poll: aborts the communicator once a swap has been unfinished for longer than the timeout.
-  // The kernels report each swap's start and end in the host status, so captured swaps are watched too.
-  // Never blocks on an NCCL call: while a swap is being enqueued it leaves the check to the next poll.
+  // The watchdog's poll: aborts the communicator once a swap has been unfinished for longer than the timeout (the
+  // first-call timeout for the first call of an FFI instance). The kernels report each swap's start and end in the
+  // host status. Never blocks on an NCCL call: while a swap is being enqueued it leaves the check to the next poll.
   void Check();
 
   char* outbox() const { return outbox_; }
@@ -62,9 +63,11 @@ class NcclLink {
   static Status Settle(const std::vector<std::unique_ptr<NcclLink>>& links, ncclResult_t result,
                        const std::string& what, std::chrono::milliseconds timeout, Clock::time_point deadline);
   static Status AbortAll(const std::vector<std::unique_ptr<NcclLink>>& links, const Status& why, bool timed_out);
-  // With mutex_ held: aborts comm_ (ncclCommAbort frees it: once aborted_, nothing uses comm_ again), records
-  // a timeout in the host status as the watchdog does, and returns `why`, which later swaps report.
-  Status AbortLocked(const Status& why, bool timed_out);
+  // With mutex_ held: marks the link aborted (nothing uses comm_ again), records a timeout in the host status as the
+  // watchdog does, and returns `why`, which later swaps report. Hands the communicator to *comm, which the caller
+  // aborts with Abort once it has released mutex_ (ncclCommAbort can block; a swap waits for mutex_).
+  Status AbortLocked(const Status& why, bool timed_out, ncclComm_t* comm);
+  static void Abort(ncclComm_t comm);
 
   int ordinal_ = -1;
   int rank_ = -1;
@@ -75,11 +78,13 @@ class NcclLink {
   char* inbox_ = nullptr;
   HostStatus* status_ = nullptr;
   std::chrono::milliseconds timeout_{0};
-  std::mutex mutex_;  // one NCCL call on comm_ at a time (NCCL calls a swap makes, the watchdog's abort)
-  bool aborted_ = false;
+  std::chrono::milliseconds first_timeout_{0};
+  std::mutex mutex_;  // one NCCL call on comm_ at a time (the calls a swap makes), and aborted_ and comm_
+  bool aborted_ = false;  // comm_ is null and no NCCL call uses it again
   Status failure_;  // why comm_ was aborted
   uint64_t pending_call_ = 0;  // the swap the watchdog has seen unfinished, and since when
   Clock::time_point pending_since_;
+  std::chrono::milliseconds pending_timeout_{0};
 };
 
 }  // namespace jax_ep

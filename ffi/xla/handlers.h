@@ -5,54 +5,48 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
-// One instantiate handler (state: the group the executable was compiled for) for every execute handler.
+// One instantiate handler (state: the group the call was traced for, and the call's origin) for every execute
+// handler. Each execute handler twice: command-buffer compatible, and (Uncaptured, for groups that reach a rank
+// through NCCL, whose swaps XLA must not capture) not.
 XLA_FFI_Error* JaxEpInstantiate(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatch(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatchStart(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpDispatchFinish(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineBackward(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineBackwardStart(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineBackwardFinish(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombine(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineStart(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JaxEpCombineFinish(XLA_FFI_CallFrame* call_frame);
+#define JAX_EP_DECLARE_TARGET(name)                       \
+  XLA_FFI_Error* name(XLA_FFI_CallFrame* call_frame); \
+  XLA_FFI_Error* name##Uncaptured(XLA_FFI_CallFrame* call_frame)
+JAX_EP_DECLARE_TARGET(JaxEpDispatch);
+JAX_EP_DECLARE_TARGET(JaxEpDispatchStart);
+JAX_EP_DECLARE_TARGET(JaxEpDispatchFinish);
+JAX_EP_DECLARE_TARGET(JaxEpCombineBackward);
+JAX_EP_DECLARE_TARGET(JaxEpCombineBackwardStart);
+JAX_EP_DECLARE_TARGET(JaxEpCombineBackwardFinish);
+JAX_EP_DECLARE_TARGET(JaxEpCombine);
+JAX_EP_DECLARE_TARGET(JaxEpCombineStart);
+JAX_EP_DECLARE_TARGET(JaxEpCombineFinish);
+#undef JAX_EP_DECLARE_TARGET
 XLA_FFI_TypeId* JaxEpGroupStateTypeId();
 const XLA_FFI_TypeInfo* JaxEpGroupStateTypeInfo();
 }
 
 namespace jax_ep {
 
-constexpr int kMaxResults = 11;
-
-// An FFI target: the name jax.ffi.ffi_call calls (and the op its errors name), its execute handler, and its
-// results' names in XLA's order (the rest null). The handlers find their results by these names, and
-// jax_ep/ep/backends/cuda.py orders the result types it builds by name from them (the module's results()).
+// An FFI target: the name jax.ffi.ffi_call calls (jax_ep/ep/backends/cuda.py specifies its operands and results),
+// and its execute handlers: the second is registered as the name + kUncaptured.
 struct Target {
   const char* name;
   XLA_FFI_Handler* execute;
-  const char* results[kMaxResults];
+  XLA_FFI_Handler* execute_uncaptured;
 };
+inline constexpr const char* kUncaptured = "_uncaptured";
 
-// Results: x [N, H] (the layout's rows), weights [N], group_sizes [L], num_dropped and num_invalid (scalars),
-// token_dest_pos [T, R], send_counts [R], slot_dest [T, K], recv_rows [R, T, K], recv_counts [R], row_slot [N];
-// sent [1] (a start's output, written 0, which orders its finish after it); dy [N, H], dweights [N] ([0] without
-// weights); out [T, H], slot_values [T, K] ([0] without row_values).
 inline constexpr Target kTargets[] = {
-    {"jax_ep_dispatch",
-     JaxEpDispatch,
-     {"x", "weights", "group_sizes", "num_dropped", "num_invalid", "token_dest_pos", "send_counts", "slot_dest",
-      "recv_rows", "recv_counts", "row_slot"}},
-    {"jax_ep_dispatch_start", JaxEpDispatchStart, {"token_dest_pos", "slot_dest", "sent"}},
-    {"jax_ep_dispatch_finish",
-     JaxEpDispatchFinish,
-     {"x", "weights", "group_sizes", "num_dropped", "num_invalid", "send_counts", "recv_rows", "recv_counts",
-      "row_slot"}},
-    {"jax_ep_combine_backward", JaxEpCombineBackward, {"dy", "dweights"}},
-    {"jax_ep_combine_backward_start", JaxEpCombineBackwardStart, {"sent"}},
-    {"jax_ep_combine_backward_finish", JaxEpCombineBackwardFinish, {"dy", "dweights"}},
-    {"jax_ep_combine", JaxEpCombine, {"out", "slot_values"}},
-    {"jax_ep_combine_start", JaxEpCombineStart, {"sent"}},
-    {"jax_ep_combine_finish", JaxEpCombineFinish, {"out", "slot_values"}},
+    {"jax_ep_dispatch", JaxEpDispatch, JaxEpDispatchUncaptured},
+    {"jax_ep_dispatch_start", JaxEpDispatchStart, JaxEpDispatchStartUncaptured},
+    {"jax_ep_dispatch_finish", JaxEpDispatchFinish, JaxEpDispatchFinishUncaptured},
+    {"jax_ep_combine_backward", JaxEpCombineBackward, JaxEpCombineBackwardUncaptured},
+    {"jax_ep_combine_backward_start", JaxEpCombineBackwardStart, JaxEpCombineBackwardStartUncaptured},
+    {"jax_ep_combine_backward_finish", JaxEpCombineBackwardFinish, JaxEpCombineBackwardFinishUncaptured},
+    {"jax_ep_combine", JaxEpCombine, JaxEpCombineUncaptured},
+    {"jax_ep_combine_start", JaxEpCombineStart, JaxEpCombineStartUncaptured},
+    {"jax_ep_combine_finish", JaxEpCombineFinish, JaxEpCombineFinishUncaptured},
 };
 
 }  // namespace jax_ep

@@ -1,6 +1,6 @@
-// The Python extension jax_ep._jax_ep_cuda: the FFI targets (handler capsules and result names, from kTargets), the
-// state type, the kernels' limits and staging size, the groups' set-up steps, and facts about CUDA and NCCL. Library
-// errors (Status) become Python exceptions here.
+// The Python extension jax_ep.ep._jax_ep_cuda: the FFI targets (handler capsules, from kTargets, and their traits),
+// the state type, the kernels' limits and memory sizes, the groups' set-up steps, and facts about CUDA and NCCL.
+// Library errors (Status) become Python exceptions here.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -22,6 +22,21 @@ namespace {
 
 nb::capsule Capsule(void* pointer) { return nb::capsule(pointer); }
 
+// The traits a handler declares, asked as XLA asks: a call frame that carries only the metadata extension.
+XLA_FFI_Handler_Traits TraitsOf(XLA_FFI_Handler* handler) {
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension{};
+  extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  extension.extension_base.type = XLA_FFI_Extension_Metadata;
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  if (handler(&frame) != nullptr) throw std::runtime_error("jax_ep: a handler refused the metadata query");
+  return metadata.traits;
+}
+
 void ThrowIfError(const jax_ep::Status& status) {
   if (status.ok()) return;
   if (status.code == jax_ep::StatusCode::kInvalidArgument) throw nb::value_error(status.message.c_str());
@@ -40,24 +55,26 @@ NB_MODULE(_jax_ep_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
     for (const jax_ep::Target& target : jax_ep::kTargets) {
-      nb::dict stages;
-      stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpInstantiate));
-      stages["execute"] = Capsule(reinterpret_cast<void*>(target.execute));
-      targets[target.name] = stages;
+      for (const bool uncaptured : {false, true}) {
+        nb::dict stages;
+        stages["instantiate"] = Capsule(reinterpret_cast<void*>(JaxEpInstantiate));
+        stages["execute"] = Capsule(reinterpret_cast<void*>(uncaptured ? target.execute_uncaptured : target.execute));
+        targets[(std::string(target.name) + (uncaptured ? jax_ep::kUncaptured : "")).c_str()] = stages;
+      }
     }
     return targets;
   });
-  // Each target's results by name, in XLA's order: jax_ep/ep/backends/cuda.py builds them in this order.
-  m.def("results", []() {
-    nb::dict results;
+  // Each registered target name: whether its handler lets XLA capture it in command buffers (its metadata).
+  m.def("command_buffer_compatible", []() {
+    nb::dict compatible;
     for (const jax_ep::Target& target : jax_ep::kTargets) {
-      nb::list names;
-      for (const char* name : target.results) {
-        if (name != nullptr) names.append(name);
+      for (const bool uncaptured : {false, true}) {
+        const XLA_FFI_Handler_Traits traits = TraitsOf(uncaptured ? target.execute_uncaptured : target.execute);
+        compatible[(std::string(target.name) + (uncaptured ? jax_ep::kUncaptured : "")).c_str()] =
+            (traits & XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE) != 0;
       }
-      results[target.name] = names;
     }
-    return results;
+    return compatible;
   });
   m.def("type_registrations", []() {
     nb::dict types;
@@ -73,6 +90,8 @@ NB_MODULE(_jax_ep_cuda, m) {
     limits["max_experts"] = jax_ep::kMaxExperts;
     return limits;
   });
+  m.def("device_bytes", &jax_ep::DeviceBytes, nb::arg("num_ranks"), nb::arg("num_tokens"), nb::arg("row_bytes"),
+        nb::arg("topk"), nb::arg("num_experts"), nb::arg("nccl"));
   m.def("staging_bytes", &jax_ep::StagingBytes, nb::arg("num_ranks"), nb::arg("num_tokens"), nb::arg("row_bytes"),
         nb::arg("topk"), nb::arg("local_experts"));
   m.def(
@@ -163,10 +182,18 @@ NB_MODULE(_jax_ep_cuda, m) {
   m.def(
       "close_peer_mappings",
       [](int64_t id) {
-        if (std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id)) group->ClosePeerMappings();
+        std::shared_ptr<jax_ep::Group> group = jax_ep::FindGroup(id);
+        nb::gil_scoped_release release;  // waits for launches under way and the GPUs' queued kernels
+        if (group) group->ClosePeerMappings();
       },
       nb::arg("group"));
-  m.def("release", &jax_ep::DropGroup, nb::arg("group"));
+  m.def(
+      "release",
+      [](int64_t id) {
+        nb::gil_scoped_release release;  // as close_peer_mappings
+        jax_ep::DropGroup(id);
+      },
+      nb::arg("group"));
   m.def(
       "group_error",
       [](int64_t id) {

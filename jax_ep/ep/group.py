@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import os
+import re
 import socket
 from collections.abc import Hashable
 from pathlib import Path
@@ -24,9 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._validate import check_positive_int
+from . import call_sites
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NCCL reads it once, at the process's first NCCL call (maybe XLA's)
 
 try:
-    from .. import _jax_ep_cuda as _extension
+    from . import _jax_ep_cuda as _extension
 except ImportError as _error:  # built without CUDA, or its libraries are missing
     _extension = None
     _import_error: ImportError | None = _error
@@ -35,7 +40,8 @@ else:
 
 TRANSPORTS = ("auto", "nccl")
 _SETUP_TIMEOUT_S = 300.0  # least time initialize/finalize wait for other processes
-_ids = itertools.count(1)  # group ids; also name each initialize call's keys in jax.distributed's key-value store
+_ids = itertools.count(1)  # group ids, local to this process
+_generations: dict[str, int] = {}  # initialize calls so far for each mesh axis (its key-value store namespace)
 
 
 def available() -> bool:
@@ -62,9 +68,11 @@ def unavailable_reason() -> str:
 
 
 def why_not_loaded(error: ImportError, package: Path) -> str:
-    """What a failed import of the extension means, and what to do, for the jax_ep package at ``package``."""
+    """What a failed import of the extension (``jax_ep/ep/_jax_ep_cuda``) means, and what to do, for the jax_ep
+    package at ``package``."""
     root = package.parent
-    if not any(package.glob("_jax_ep_cuda*")) and (root / "pyproject.toml").is_file() and (root / "ffi").is_dir():
+    built = any((package / "ep").glob("_jax_ep_cuda*"))
+    if not built and (root / "pyproject.toml").is_file() and (root / "ffi").is_dir():
         return (
             f"the jax_ep CUDA extension did not load: this jax_ep is the source tree {package}, which holds no "
             f"built extension (Python found it first because it started in {root}). Run from another directory "
@@ -88,6 +96,16 @@ def limits() -> dict[str, int]:
     """The kernels' limits (ffi/kernels/launch.h): ``max_topk`` (a token's rows are held in shared memory) and
     ``max_experts`` (so are the receivers' row tables). Needs the extension: raises :func:`extension`'s error."""
     return dict(extension().limits())
+
+
+def over_limits(*, topk: int, num_experts: int) -> str:
+    """Why backend "cuda" cannot take these sizes (:func:`limits`), or ""."""
+    limit = limits()
+    if topk > limit["max_topk"]:
+        return f"topk must be at most {limit['max_topk']} for backend 'cuda', got {topk}"
+    if num_experts > limit["max_experts"]:
+        return f"num_experts must be at most {limit['max_experts']} for backend 'cuda', got {num_experts}"
+    return ""
 
 
 def nccl_version() -> int:
@@ -116,22 +134,37 @@ def _register() -> None:
 
 
 def buffer_size_hint(
-    *, num_ranks: int, num_tokens: int, hidden: int, topk: int, num_experts: int, dtype: Any = jnp.float32
+    *,
+    num_ranks: int,
+    num_tokens: int,
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    dtype: Any = jnp.float32,
+    nccl: bool = False,
 ) -> int:
-    """Bytes of staging memory per GPU that dispatch and combine of these shapes need.
+    """Bytes of GPU memory that :func:`initialize` allocates on each GPU of a group for these shapes.
 
     ``dtype`` is the widest dtype that travels: ``x``, the expert outputs and
     their cotangents, and combine's partial sums (float32 with
-    ``partial_dtype=jnp.float32``). Two halves, so a call never overwrites what
-    a peer may still read of the call before:
-    ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``.
+    ``partial_dtype=jnp.float32``). The bytes are:
 
-    The CUDA extension computes it (``ffi/kernels/launch.h``, ``StagingBytes``), as the kernels check it; without
+    * the staging, two halves, so that a call never overwrites what a peer may
+      still read of the call before:
+      ``2 * R * (16 + 16 * ceil((L + 1) / 4) + ceil16(T * K * 12) + T * ceil16(H * itemsize))``;
+    * with ``nccl`` (the GPU reaches some rank through NCCL): an outbox and an
+      inbox of one staging half each, as much again;
+    * the routing kernel's scratch (int32 counts of ``T``, ``K``, ``E``, ``R``)
+      and the group's signals and peer table (about 10 KB).
+
+    The CUDA extension computes it (``ffi/kernels/launch.h``, ``DeviceBytes``), as the kernels check it; without
     the extension this raises the RuntimeError of backend "cuda" being unavailable.
     """
-    local_experts = max(num_experts // num_ranks, 1)
-    row_bytes = hidden * jnp.dtype(dtype).itemsize
-    return extension().staging_bytes(num_ranks, num_tokens, row_bytes, topk, local_experts)
+    return extension().device_bytes(num_ranks, num_tokens, _row_bytes(hidden, dtype), topk, num_experts, bool(nccl))
+
+
+def _row_bytes(hidden: int, dtype: Any) -> int:
+    return hidden * jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(eq=False)
@@ -144,6 +177,7 @@ class Group:
     """
 
     id: int
+    namespace: str  # of its keys in jax.distributed's key-value store, the same in every process
     axis_name: Hashable
     num_ranks: int
     num_sms: int
@@ -151,7 +185,13 @@ class Group:
     processes: list[int]
     setup_timeout_ms: int
     nccl: dict[Any, tuple[int, ...]]
+    devices: frozenset = frozenset()  # this process's GPUs in the group
     released: bool = False
+
+    def uses_nccl(self) -> bool:
+        """Whether a GPU of this process reaches some rank through NCCL: its calls then run outside command buffers
+        (XLA must not capture NCCL calls that other processes capture on their own)."""
+        return any(self.nccl.values())
 
     def nccl_ranks(self) -> dict[Any, tuple[int, ...]]:
         """For each of this process's GPUs in the group: the ranks it reaches through NCCL, not by peer stores."""
@@ -162,12 +202,15 @@ class Group:
 
         Calls captured in an XLA command buffer cannot fail on their own: a failed call leaves NaN in its
         float outputs and -1 in its counts, and the error is raised here or by the next call XLA launches.
+        The message ends with where in this process's code the call sites it names were traced.
         """
         if self.released:
             raise RuntimeError(f"jax_ep: the group of axis {self.axis_name!r} was finalized")
         message = extension().group_error(self.id)
         if message:
-            raise RuntimeError(message)
+            sites = sorted({int(site) for site in re.findall(r"call site (\d+)", message)})
+            where = [f"call site {site}: {call_sites.describe(site)}" for site in sites]
+            raise RuntimeError("\n".join([message, *where]))
 
     def host_launches(self) -> int:
         """How often XLA launched this group's calls from the host, over all of this process's GPUs.
@@ -178,16 +221,25 @@ class Group:
         return int(extension().group_launches(self.id))
 
     def finalize(self) -> None:
-        """Release the group's memory (collective across processes); compiled computations must not run again."""
+        """Release the group's memory (collective across processes); compiled computations must not run again.
+
+        It first waits for every computation whose results are still alive on the group's GPUs, so that steps
+        issued before it, and not waited for, finish as they would have. A jax_ep call whose handler XLA runs after
+        it fails with an error that says the group was finalized; a call replayed from a command buffer recorded
+        before runs no handler, so computations compiled before must not run again. The memory goes once every
+        kernel already launched has finished, and in several processes, once every process has stopped reading
+        its peers' memory.
+        """
         if self.released:
             return
         self.released = True
         if _groups.get(self.axis_name) is self:
             del _groups[self.axis_name]
         try:
+            jax.block_until_ready([a for a in jax.live_arrays() if a.devices() & self.devices])
             if len(self.processes) > 1:
                 _extension.close_peer_mappings(self.id)
-                _barrier(self.id, "released", self.processes, self.setup_timeout_ms)
+                _barrier(self.namespace, "released", self.processes, self.setup_timeout_ms)
         finally:
             _extension.release(self.id)
 
@@ -198,6 +250,17 @@ _groups: dict[Hashable, Group] = {}
 def group_for(axis_name: Hashable) -> Group | None:
     """The live group of a mesh axis, or None."""
     return _groups.get(axis_name)
+
+
+def group_by_id(group_id: int) -> Group:
+    """The live group with id ``group_id``; a RuntimeError when it was finalized since a trace found it."""
+    for group in _groups.values():
+        if group.id == group_id:
+            return group
+    raise RuntimeError(
+        f"jax_ep: the group (id {group_id}) that this computation was traced for was finalized; call "
+        "jax_ep.initialize again and trace the computation again"
+    )
 
 
 def initialize(
@@ -242,7 +305,9 @@ def initialize(
     outputs hold NaN, and every later call of the group fails with an error
     naming the rank that never came, until ``initialize`` is called again.
     The group's first call waits at least 300 s (or ``timeout_s``, if
-    longer), since processes may finish compiling minutes apart.
+    longer) in the first call of each compiled jax_ep call (each call in
+    each executable), since processes may finish compiling it minutes
+    apart; so does the watchdog of the swaps through NCCL.
     ``num_sms`` caps the SMs each kernel occupies (one block of 1024 threads
     per SM), leaving the rest of the GPU to compute and collectives that run
     beside the exchange; ``None``: all but 32 SMs (at least half) in a group
@@ -279,29 +344,30 @@ def initialize(
             f"expected a multiple of {num_ranks}, got {num_experts}"
         )
     _register()
-    limit = limits()
-    if sizes["topk"] > limit["max_topk"]:
-        raise ValueError(f"jax_ep.initialize: topk must be at most {limit['max_topk']} for backend 'cuda', got {topk}")
-    if sizes["num_experts"] > limit["max_experts"]:
-        raise ValueError(
-            f"jax_ep.initialize: num_experts must be at most {limit['max_experts']} for backend 'cuda', "
-            f"got {num_experts}"
-        )
+    reason = over_limits(topk=sizes["topk"], num_experts=sizes["num_experts"])
+    if reason:
+        raise ValueError(f"jax_ep.initialize: {reason}")
     if axis_name in _groups:
         _groups[axis_name].finalize()
     groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, num_ranks).tolist()
-    staging = buffer_size_hint(num_ranks=num_ranks, dtype=dtype, **sizes)
+    local_experts = sizes["num_experts"] // num_ranks
+    row_bytes = _row_bytes(sizes["hidden"], dtype)
+    staging = _extension.staging_bytes(num_ranks, sizes["num_tokens"], row_bytes, sizes["topk"], local_experts)
     scratch = _extension.routing_scratch_ints(num_ranks, sizes["num_tokens"], sizes["topk"], sizes["num_experts"])
     group_id = next(_ids)
+    namespace = _namespace(mesh, axis_name)
     setup_ms = _setup_ms(timeout_s)
     _extension.begin(group_id)
     try:
-        sms, nccl = _connect(group_id, groups, staging, scratch, num_sms or 0, processes, timeout_s, transport)
+        sms, nccl = _connect(
+            group_id, namespace, groups, staging, scratch, num_sms or 0, processes, timeout_s, transport
+        )
     except BaseException:
         _extension.close_peer_mappings(group_id)
         _extension.release(group_id)
         raise
-    group = Group(group_id, axis_name, num_ranks, sms, {**sizes, "dtype": jnp.dtype(dtype)}, processes, setup_ms, nccl)
+    sizes = {**sizes, "dtype": jnp.dtype(dtype)}
+    group = Group(group_id, namespace, axis_name, num_ranks, sms, sizes, processes, setup_ms, nccl, frozenset(nccl))
     _groups[axis_name] = group
     return group
 
@@ -321,8 +387,18 @@ def nccl_ranks(axis_name: Hashable | None = None) -> dict[Any, tuple[int, ...]]:
     return out
 
 
+def _namespace(mesh: jax.sharding.Mesh, axis_name: Hashable) -> str:
+    """The key-value store namespace of an initialize call: the mesh axis and how often this process has initialized
+    it, which every process agrees on (they call initialize alike), whatever else each initialized before."""
+    axis = repr((axis_name, mesh.axis_names, mesh.devices.shape, [d.id for d in mesh.devices.flat]))
+    digest = hashlib.sha256(axis.encode()).hexdigest()[:16]
+    _generations[digest] = _generations.get(digest, 0) + 1
+    return f"{digest}/{_generations[digest]}"
+
+
 def _connect(
     group_id: int,
+    namespace: str,
     groups: list[list[Any]],
     staging: int,
     scratch: int,
@@ -352,22 +428,22 @@ def _connect(
     if client is not None:  # before the transport decision: the other processes of this host probe them
         for g, rank, device in local:
             client.key_value_set_bytes(
-                _key(group_id, "handles", g, rank), _extension.export_handles(group_id, device.local_hardware_id)
+                _key(namespace, "handles", g, rank), _extension.export_handles(group_id, device.local_hardware_id)
             )
-    by_nccl = _nccl_pairs(group_id, groups, local, transport, client, timeout_s, handles)
+    by_nccl = _nccl_pairs(group_id, namespace, groups, local, transport, client, timeout_s, handles)
     if client is not None:
         for g in sorted({g for g, _, _ in local}):
             for rank, device in enumerate(groups[g]):
                 peer_stores = any(not by_nccl[g][mine][rank] for h, mine, _ in local if h == g)
                 if device.process_index != me and peer_stores and (g, rank) not in handles:
-                    handles[g, rank] = _fetch(client, _key(group_id, "handles", g, rank), timeout_s, device, rank)
+                    handles[g, rank] = _fetch(client, _key(namespace, "handles", g, rank), timeout_s, device, rank)
     for g, rank, device in local:
         ordinals = [d.local_hardware_id if d.process_index == me else -1 for d in groups[g]]
         peer_handles = [handles.get((g, r), b"") for r in range(len(groups[g]))]
         _extension.connect(group_id, device.local_hardware_id, ordinals, peer_handles, by_nccl[g][rank])
     nccl_groups = sorted({g for g, _, _ in local if any(any(row) for row in by_nccl[g])})
     if nccl_groups:
-        ids = {g: _nccl_unique_id(group_id, groups[g], g, client, timeout_s) for g in nccl_groups}
+        ids = {g: _nccl_unique_id(namespace, groups[g], g, client, timeout_s) for g in nccl_groups}
         members = [(g, d) for g, _, d in local if g in ids]
         _extension.connect_nccl(
             group_id,
@@ -378,13 +454,14 @@ def _connect(
         )
     sms = _extension.commit(group_id)
     if client is not None:
-        _barrier(group_id, "connected", processes, _setup_ms(timeout_s))
+        _barrier(namespace, "connected", processes, _setup_ms(timeout_s))
     reached = {d: tuple(r for r, nccl in enumerate(by_nccl[g][rank]) if nccl) for g, rank, d in local}
     return sms, reached
 
 
 def _nccl_pairs(
     group_id: int,
+    namespace: str,
     groups: list[list[Any]],
     local: list[tuple[int, int, Any]],
     transport: str,
@@ -411,7 +488,7 @@ def _nccl_pairs(
     facts = {me: {"host": socket.gethostname(), "force": force, "no_p2p": no_p2p}}
     processes = sorted({d.process_index for group in groups for d in group})
     if client is not None:
-        facts = _swap(client, group_id, "facts", facts[me], processes, timeout_s, "call jax_ep.initialize")
+        facts = _swap(client, namespace, "facts", facts[me], processes, timeout_s, "call jax_ep.initialize")
     if len({fact["force"] for fact in facts.values()}) > 1:
         raise ValueError(
             "jax_ep.initialize: the processes disagree on sending every pair through NCCL: pass the same "
@@ -426,11 +503,11 @@ def _nccl_pairs(
                 if e.process_index == me or host[e.process_index] != host[me]:
                     continue
                 if (g, b) not in handles:
-                    handles[g, b] = _fetch(client, _key(group_id, "handles", g, b), timeout_s, e, b)
+                    handles[g, b] = _fetch(client, _key(namespace, "handles", g, b), timeout_s, e, b)
                 if not _extension.can_open_handles(group_id, d.local_hardware_id, handles[g, b]):
                     failed.append([g, a, b])
         what = "finish probing P2P with the other processes of its host"
-        for process, pairs in _swap(client, group_id, "probes", failed, processes, timeout_s, what).items():
+        for process, pairs in _swap(client, namespace, "probes", failed, processes, timeout_s, what).items():
             facts[process] = {**facts[process], "no_p2p": facts[process]["no_p2p"] + pairs}
     return decide_transports(groups, facts, force)
 
@@ -462,17 +539,17 @@ def decide_transports(groups: list[list[Any]], facts: dict[int, dict[str, Any]],
 
 
 def _swap(
-    client: Any, group_id: int, name: str, mine: Any, processes: list[int], timeout_s: float, what: str
+    client: Any, namespace: str, name: str, mine: Any, processes: list[int], timeout_s: float, what: str
 ) -> dict[int, Any]:
     """Publishes this process's ``mine`` (JSON) under ``name``; returns every process's, waiting for each."""
     me = jax.process_index()
-    client.key_value_set(_key(group_id, name, me), json.dumps(mine))
+    client.key_value_set(_key(namespace, name, me), json.dumps(mine))
     values = {me: mine}
     for process in processes:
         if process == me:
             continue
         try:
-            value = client.blocking_key_value_get(_key(group_id, name, process), _setup_ms(timeout_s))
+            value = client.blocking_key_value_get(_key(namespace, name, process), _setup_ms(timeout_s))
         except Exception as error:  # the client raises its own error types
             raise RuntimeError(
                 f"jax_ep.initialize: process {process} did not {what} within {_setup_ms(timeout_s) // 1000} s ({error})"
@@ -481,24 +558,24 @@ def _swap(
     return values
 
 
-def _nccl_unique_id(group_id: int, group: list[Any], g: int, client: Any, timeout_s: float) -> bytes:
+def _nccl_unique_id(namespace: str, group: list[Any], g: int, client: Any, timeout_s: float) -> bytes:
     """The NCCL id of group g: made by the process of its rank 0 and passed through the key-value store."""
     if client is None:
         return _extension.nccl_unique_id()
     if group[0].process_index == jax.process_index():
         unique_id = _extension.nccl_unique_id()
-        client.key_value_set_bytes(_key(group_id, "nccl_id", g), unique_id)
+        client.key_value_set_bytes(_key(namespace, "nccl_id", g), unique_id)
         return unique_id
-    return _fetch(client, _key(group_id, "nccl_id", g), timeout_s, group[0], 0, what="NCCL unique id")
+    return _fetch(client, _key(namespace, "nccl_id", g), timeout_s, group[0], 0, what="NCCL unique id")
 
 
-def _barrier(group_id: int, name: str, processes: list[int], timeout_ms: int) -> None:
-    _key_value_client().wait_at_barrier(_key(group_id, name), timeout_ms, process_ids=processes)
+def _barrier(namespace: str, name: str, processes: list[int], timeout_ms: int) -> None:
+    _key_value_client().wait_at_barrier(_key(namespace, name), timeout_ms, process_ids=processes)
 
 
-def _key(group_id: int, *parts: Any) -> str:
+def _key(namespace: str, *parts: Any) -> str:
     """A key of one initialize call in jax.distributed's key-value store."""
-    return "/".join(["jax_ep", str(group_id), *map(str, parts)])
+    return "/".join(["jax_ep", namespace, *map(str, parts)])
 
 
 def _setup_ms(timeout_s: float) -> int:

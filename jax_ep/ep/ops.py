@@ -13,18 +13,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .._validate import check_array, check_choice, check_float_dtype, check_positive_int
-from . import backends, fp8
-from .types import (
-    LAYOUTS,
-    CombineStarted,
-    Config,
-    Dispatched,
-    DispatchStarted,
-    Handle,
-    PendingCombine,
-    PendingDispatch,
-    RowType,
-)
+from . import backends, call_sites, fp8
+from .types import LAYOUTS, Config, Dispatched, Handle, PendingCombine, PendingDispatch, RowType
 
 TRANSFERS = ("fused", "separate")
 HANDLE = "jax_ep_handle"  # jax.checkpoint names: everything a dispatch returns but its rows
@@ -123,6 +113,7 @@ def dispatch(
     config = _dispatch_config(
         x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
     )
+    config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch"))
     check_choice("transfer", transfer, TRANSFERS)
     if transfer == "separate" and config.backend == "cuda" and config.wire_dtype is not None:
         raise ValueError(
@@ -207,7 +198,7 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, p
     """
     partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
     with jax.named_scope("jax_ep.combine"):
-        return _combine(partial, y, handle, weights)
+        return _combine(partial, call_sites.site("jax_ep.combine"), y, handle, weights)
 
 
 def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
@@ -244,7 +235,8 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 def _dispatch_bwd(config, handle, cotangent):
     rows_ct = cotangent.x.reshape(config.num_rows, -1)
     backend = backends.module(config.backend)
-    dx, dtopk_weights = backend.combine(handle, rows_ct, None, rows_ct.dtype, cotangent.weights.reshape(-1))
+    site = call_sites.backward(config.site, "the backward pass")
+    dx, dtopk_weights = backend.combine(handle, rows_ct, None, rows_ct.dtype, cotangent.weights.reshape(-1), site=site)
     return dx, None, dtopk_weights
 
 
@@ -267,7 +259,8 @@ def _route_fwd(config, topk_idx, topk_weights):
 def _route_bwd(config, handle, cotangent):
     no_rows = jax.lax.full_like(handle.row_slot, 0, jnp.float32, (config.num_rows, 0))  # varies as the handle
     backend = backends.module(config.backend)
-    _, dtopk_weights = backend.combine(handle, no_rows, None, jnp.float32, cotangent.weights.reshape(-1))
+    site = call_sites.backward(config.site, "the backward pass")
+    _, dtopk_weights = backend.combine(handle, no_rows, None, jnp.float32, cotangent.weights.reshape(-1), site=site)
     return None, dtopk_weights
 
 
@@ -276,7 +269,8 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _transfer(config: Config, x_type: RowType, x: jax.Array, handle: Handle) -> jax.Array:
-    rows = backends.module(config.backend).transfer(handle, fp8.wire_rows(x, config.wire_dtype))
+    site = call_sites.backward(config.site, "the rows' transfer")
+    rows = backends.module(config.backend).transfer(handle, fp8.wire_rows(x, config.wire_dtype), site=site)
     return rows if config.wire_dtype is None else fp8.unpack(rows, x_type.hidden, x_type.dtype)
 
 
@@ -285,31 +279,35 @@ def _transfer_fwd(config, x_type, x, handle):
 
 
 def _transfer_bwd(config, x_type, handle, rows_ct):
-    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, rows_ct.dtype)
+    site = call_sites.backward(config.site, "the backward pass of the rows' transfer")
+    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, rows_ct.dtype, site=site)
     return dx, None
 
 
 _transfer.defvjp(_transfer_fwd, _transfer_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
+# A combine op's static arguments: partial_dtype and its call site (call_sites).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine(partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype)[0]
+    return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype, site=site)[0]
 
 
 def _saving_combine_inputs(op):
     """The fwd rule of a combine op whose backward pass needs ``y``, the handle and the weights."""
 
-    def fwd(partial_dtype, y, handle, weights, *rest):
-        return op(partial_dtype, y, handle, weights, *rest), (y, handle, weights)
+    def fwd(partial_dtype, site, y, handle, weights, *rest):
+        return op(partial_dtype, site, y, handle, weights, *rest), (y, handle, weights)
 
     return fwd
 
 
-def _combine_bwd(partial_dtype, residuals, cotangent):
+def _combine_bwd(partial_dtype, site, residuals, cotangent):
     y, handle, weights = residuals
-    dy, dweights = backends.module(handle.config.backend).combine_backward(handle, cotangent, y, weights)
+    backend = backends.module(handle.config.backend)
+    backward = call_sites.backward(site, "the backward pass")
+    dy, dweights = backend.combine_backward(handle, cotangent, y, weights, site=backward)
     return dy, None, dweights
 
 
@@ -329,6 +327,7 @@ def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *
     if keywords.pop("transfer") != "fused":
         raise ValueError("jax_ep.dispatch_start: transfer must be 'fused'; the split ops route and send in the start")
     config = _dispatch_config(x, topk_idx, topk_weights, **keywords)
+    config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch_start"))
     x_type = RowType(x.shape[1], jnp.dtype(x.dtype))
     with jax.named_scope("jax_ep.dispatch_start"):
         started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
@@ -361,9 +360,10 @@ def combine_start(
     halves split as :func:`dispatch_start`'s do.
     """
     partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
+    site = call_sites.site("jax_ep.combine_start")
     with jax.named_scope("jax_ep.combine_start"):
-        started = _combine_start(partial, y, handle, weights)
-    return PendingCombine(y, handle, weights, started, partial)
+        started = _combine_start(partial, site, y, handle, weights)
+    return PendingCombine(y, handle, weights, started, partial, site)
 
 
 def combine_finish(pending: PendingCombine) -> jax.Array:
@@ -374,7 +374,7 @@ def combine_finish(pending: PendingCombine) -> jax.Array:
         )
     q = pending
     with jax.named_scope("jax_ep.combine_finish"):
-        return _combine_finish(q.partial_dtype, q.y, q.handle, q.weights, q.started)
+        return _combine_finish(q.partial_dtype, q.site, q.y, q.handle, q.weights, q.started)
 
 
 # The split ops' custom VJPs. The backward pass of each finish starts the backward exchange and the backward
@@ -384,9 +384,7 @@ def combine_finish(pending: PendingCombine) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_start(
-    config: Config, x_type: RowType, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array
-) -> DispatchStarted:
+def _dispatch_start(config: Config, x_type: RowType, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Any:
     rows = fp8.wire_rows(x, config.wire_dtype)
     return backends.module(config.backend).dispatch_start(config, rows, topk_idx, topk_weights, x_type)
 
@@ -405,7 +403,7 @@ _dispatch_start.defvjp(_dispatch_start_fwd, _dispatch_start_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_finish(config: Config, x_type: RowType, started: DispatchStarted) -> Dispatched:
+def _dispatch_finish(config: Config, x_type: RowType, started: Any) -> Dispatched:
     return _unwire(config, backends.module(config.backend).dispatch_finish(config, started), x_type)
 
 
@@ -427,33 +425,37 @@ def _combine_rows(y: jax.Array, handle: Handle, weights: jax.Array | None) -> tu
     return y.reshape(handle.config.num_rows, -1), None if weights is None else weights.reshape(-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine_start(partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None) -> CombineStarted:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine_start(partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None) -> Any:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype)
+    return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype, site=site)
 
 
-def _combine_start_bwd(partial_dtype, residuals, dstarted):
+def _combine_start_bwd(partial_dtype, site, residuals, dstarted):
     y, handle, weights = residuals
-    dy, dweights = backends.module(handle.config.backend).combine_start_backward(handle, y, weights, dstarted)
+    backend = backends.module(handle.config.backend)
+    backward = call_sites.backward(site, "the backward pass")
+    dy, dweights = backend.combine_start_backward(handle, y, weights, dstarted, site=backward)
     return dy, None, dweights
 
 
 _combine_start.defvjp(_saving_combine_inputs(_combine_start), _combine_start_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _combine_finish(
-    partial_dtype: Any, y: jax.Array, handle: Handle, weights: jax.Array | None, started: CombineStarted
+    partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None, started: Any
 ) -> jax.Array:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    return backends.module(handle.config.backend).combine_finish(handle, rows, flat_weights, partial_dtype, started)
+    backend = backends.module(handle.config.backend)
+    return backend.combine_finish(handle, rows, flat_weights, partial_dtype, started, site=site)
 
 
-def _combine_finish_bwd(partial_dtype, residuals, cotangent):
+def _combine_finish_bwd(partial_dtype, site, residuals, cotangent):
     y, handle, weights = residuals
     backend = backends.module(handle.config.backend)
-    dy, dweights, dstarted = backend.combine_finish_backward(handle, cotangent, y, weights)
+    backward = call_sites.backward(site, "the backward pass")
+    dy, dweights, dstarted = backend.combine_finish_backward(handle, cotangent, y, weights, site=backward)
     return dy, None, dweights, dstarted
 
 

@@ -30,6 +30,9 @@ class Config:
     backend: str  # resolved: "xla" or "cuda"
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
+    # The call site of the dispatch (jax_ep.ep.call_sites), for backend "cuda"'s tags. Not compared: handles of
+    # dispatches at different sites are pytrees of one structure (the two branches of a lax.cond, say).
+    site: int = dataclasses.field(default=0, compare=False)
 
     @property
     def local_experts(self) -> int:
@@ -124,43 +127,16 @@ class RowType(NamedTuple):
     dtype: Any
 
 
-class DispatchStarted(NamedTuple):
-    """What a backend's ``dispatch_start`` hands to its ``dispatch_finish``.
-
-    ``rows`` are the rows as they travel (``x``, or its packed FP8 rows). ``link`` carries nothing forward; in
-    the backward pass its cotangent carries what the backward pass of the finish made to that of the start
-    (cuda: the started combine's output; xla: ``x``'s cotangent). A backend leaves the fields it does not use None.
-    """
-
-    rows: jax.Array
-    topk_idx: jax.Array
-    topk_weights: jax.Array
-    link: jax.Array
-    token_dest_pos: jax.Array | None = None  # cuda: written by the start's routing
-    slot_dest: jax.Array | None = None
-
-
-class CombineStarted(NamedTuple):
-    """What a backend's ``combine_start`` hands to its ``combine_finish`` (xla: nothing).
-
-    ``sent`` is the start's output, which orders the finish after it; ``g_link`` is a ``[T, H]`` placeholder
-    whose cotangent carries combine's output cotangent to the backward pass of the start.
-    """
-
-    sent: jax.Array | None = None
-    g_link: jax.Array | None = None
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingDispatch:
     """What :func:`jax_ep.dispatch_start` returns: pass it to :func:`jax_ep.dispatch_finish`.
 
-    It holds what the start produced (``started``); on the cuda backend the start's call stays open on the GPU
-    until its finish runs.
+    It holds what the start produced (``started``, a pytree of the backend's own); on the cuda backend the
+    start's call stays open on the GPU until its finish runs.
     """
 
-    started: DispatchStarted
+    started: Any
     config: Config = dataclasses.field(metadata=dict(static=True))
     x_type: RowType = dataclasses.field(metadata=dict(static=True))
 
@@ -173,5 +149,6 @@ class PendingCombine:
     y: jax.Array
     handle: Handle
     weights: jax.Array | None
-    started: CombineStarted
+    started: Any  # a pytree of the backend's own
     partial_dtype: Any = dataclasses.field(metadata=dict(static=True))
+    site: int = dataclasses.field(default=0, metadata=dict(static=True))  # of combine_start (call_sites)

@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
   c.partial_f32 = true;
   float* out = nullptr;
   CUDA(cudaMalloc(&out, T * H * sizeof(float)));
-  c.out = out;
+  c.outputs.out = out;
 
   bool stale = false;
   const NcclSwap swap = [&](int64_t bytes) {
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   for (const float v : got) poisoned = poisoned && std::isnan(v);
   Check(status->code == kStaleRegion && status->peer == 1 && status->call == 2,
         "call 2: a region of the call before fails the call with kStaleRegion about rank 1");
-  Check(status->seen == ((uint64_t{1} << 8) | kOpCombine), "call 2: the failure records the tag it found (call 1's)");
+  Check(status->seen == TagOf(1, 0, kOpCombine), "call 2: the failure records the tag it found (call 1's)");
   Check(poisoned, "call 2: every output is NaN");
 
   // Call 3: the group is out of step; a region with the right tag does not bring it back.

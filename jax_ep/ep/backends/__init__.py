@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import jax
 
 from ..._validate import check_choice
-from ..types import CombineStarted, Config, Dispatched, DispatchStarted, Handle, RowType
+from ..types import Config, Dispatched, Handle, RowType
 from . import xla
 
 BACKENDS = ("auto", "xla", "cuda")
@@ -25,9 +25,10 @@ class Backend(Protocol):
     """What a backend implements; every function runs on one rank inside ``shard_map``, layout rows flattened
     to ``[N, ...]``.
 
-    The split ops' halves return named state for the other half. The backward pass of a finish returns, besides
-    the inputs' cotangents (None for zero), a cotangent for that state, which carries what the backward pass of
-    the start needs.
+    The split ops' halves return state of the backend's own (a pytree) for the other half. The backward pass of
+    a finish returns, besides the inputs' cotangents (None for zero), a cotangent for that state, which carries
+    what the backward pass of the start needs. ``site`` is the call's site (``jax_ep.ep.call_sites``), which
+    backend "cuda" puts in its tags.
     """
 
     def dispatch(self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
@@ -36,52 +37,66 @@ class Backend(Protocol):
     def route(self, config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
         """A dispatch that moves no rows (``x`` has no columns): the routing, weights, sizes and handle."""
 
-    def transfer(self, handle: Handle, rows: jax.Array) -> jax.Array:
+    def transfer(self, handle: Handle, rows: jax.Array, *, site: int) -> jax.Array:
         """Token rows ``[T, W]`` along ``handle``: layout rows ``[N, W]``, as a dispatch moves them; 0 where no
         slot is held."""
 
     def combine(
-        self, handle: Handle, rows: jax.Array, weights: MaybeArray, partial_dtype: Any, row_values: MaybeArray = None
+        self,
+        handle: Handle,
+        rows: jax.Array,
+        weights: MaybeArray,
+        partial_dtype: Any,
+        row_values: MaybeArray = None,
+        *,
+        site: int,
     ) -> tuple[jax.Array, MaybeArray]:
         """Combine: ``[T, H]`` sums, and with ``row_values [N]`` each slot's row value ``[T, K]`` (else None).
 
         It is also the backward pass of dispatch, with the weights' cotangent as ``row_values``."""
 
     def combine_backward(
-        self, handle: Handle, cotangent: jax.Array, y: jax.Array, weights: MaybeArray
+        self, handle: Handle, cotangent: jax.Array, y: jax.Array, weights: MaybeArray, *, site: int
     ) -> tuple[jax.Array, MaybeArray]:
         """The backward pass of combine: ``dy = w * g`` and ``dweights = <g, y[row]>`` on held rows (dweights
         None without weights), exactly 0 on rows that hold no slot."""
 
     def dispatch_start(
         self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
-    ) -> DispatchStarted: ...
+    ) -> Any: ...
 
-    def dispatch_finish(self, config: Config, started: DispatchStarted) -> Dispatched: ...
+    def dispatch_finish(self, config: Config, started: Any) -> Dispatched: ...
 
-    def dispatch_finish_backward(self, handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
+    def dispatch_finish_backward(self, handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> Any:
         """The cotangent of ``started``."""
 
     def dispatch_start_backward(
-        self, config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType
+        self, config: Config, started: Any, dstarted: Any, x_type: RowType
     ) -> tuple[jax.Array, MaybeArray]:
         """``(dx, dtopk_weights)``."""
 
     def combine_start(
-        self, handle: Handle, rows: jax.Array, weights: MaybeArray, partial_dtype: Any
-    ) -> CombineStarted: ...
+        self, handle: Handle, rows: jax.Array, weights: MaybeArray, partial_dtype: Any, *, site: int
+    ) -> Any: ...
 
     def combine_finish(
-        self, handle: Handle, rows: jax.Array, weights: MaybeArray, partial_dtype: Any, started: CombineStarted
+        self,
+        handle: Handle,
+        rows: jax.Array,
+        weights: MaybeArray,
+        partial_dtype: Any,
+        started: Any,
+        *,
+        site: int,
     ) -> jax.Array: ...
 
     def combine_finish_backward(
-        self, handle: Handle, cotangent: jax.Array, y: jax.Array, weights: MaybeArray
-    ) -> tuple[MaybeArray, MaybeArray, CombineStarted]:
+        self, handle: Handle, cotangent: jax.Array, y: jax.Array, weights: MaybeArray, *, site: int
+    ) -> tuple[MaybeArray, MaybeArray, Any]:
         """``(dy, dweights, dstarted)``."""
 
     def combine_start_backward(
-        self, handle: Handle, y: jax.Array, weights: MaybeArray, dstarted: CombineStarted
+        self, handle: Handle, y: jax.Array, weights: MaybeArray, dstarted: Any, *, site: int
     ) -> tuple[MaybeArray, MaybeArray]:
         """``(dy, dweights)``."""
 

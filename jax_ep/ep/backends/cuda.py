@@ -7,7 +7,12 @@
 * ``jax_ep_combine``: one kernel: partial sums to their source ranks, then each source adds them in rank order
   (also the backward pass of dispatch, with the weights' cotangent going back to the slots).
 
-Every call takes this rank's ``lax.axis_index``, which the kernels check against the group's rank.
+Each FFI target is specified once, in :data:`TARGETS`: its operands in order (after them, every call passes this
+rank's ``lax.axis_index``, which the kernels check against the group's rank), its attributes (one set per op,
+:func:`_attrs`) and its results in order, each a name, a dtype and a shape from the call's sizes.
+``ffi/xla/handlers.cc`` binds the same operands and results, typed, in the same order, and the attributes as one
+struct per op. The results come back by name, and the dispatch's make the :class:`Dispatched` and :class:`Handle`
+fields of the same names.
 
 The split ops run each op's kernel in two launches, one FFI call each: ``*_start`` sends (and, for dispatch,
 routes) and leaves the call open on the GPU; ``*_finish`` waits for the peers and receives. Each finish takes
@@ -15,21 +20,100 @@ one of its start's outputs, only so that XLA runs it after the start. The backwa
 starts a combine that stages this rank's own partial sums as well (``stage_own``), so that the backward pass of
 ``dispatch_start`` can finish it from the start's own outputs (``token_dest_pos``, ``slot_dest``), without the
 cotangent rows.
+
+Where the group reaches a rank through NCCL, every call goes to the ``*_uncaptured`` twin of its target, which XLA
+never records into a command buffer (:func:`target_name`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from .. import call_sites
 from .. import group as _group
-from ..types import CombineStarted, Config, Dispatched, DispatchStarted, Handle, RowType
+from ..types import Config, Dispatched, Handle, RowType
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ROWS = None  # a result in the dtype of the rows the call moves
+
+
+class Result(NamedTuple):
+    """A result of an FFI target: its name, its dtype (ROWS: the rows'), and its shape, the names of the sizes it
+    has (:func:`_sizes`)."""
+
+    name: str
+    dtype: Any
+    shape: tuple[str, ...]
+
+
+class Target(NamedTuple):
+    name: str
+    operands: tuple[str, ...]
+    results: tuple[Result, ...]
+
+
+_I32, _F32 = jnp.int32, jnp.float32
+ROUTED = (Result("token_dest_pos", _I32, ("T", "R")), Result("slot_dest", _I32, ("T", "K")))
+RECEIVED = (
+    Result("x", ROWS, ("layout", "H")),
+    Result("weights", _F32, ("layout",)),
+    Result("group_sizes", _I32, ("L",)),
+    Result("num_dropped", _I32, ()),
+    Result("num_invalid", _I32, ()),
+    Result("expert_load", _I32, ("L",)),
+    Result("send_counts", _I32, ("R",)),
+    Result("recv_rows", _I32, ("R", "T", "K")),
+    Result("recv_counts", _I32, ("R",)),
+    Result("row_slot", _I32, ("N",)),
+)
+SENT = (Result("sent", _F32, ("1",)),)  # a start's output (0): what its finish takes, to run after it
+BACKWARD = (Result("dy", ROWS, ("N", "H")), Result("dweights", _F32, ("weighted",)))
+COMBINED = (Result("out", ROWS, ("T", "H")), Result("slot_values", _F32, ("valued",)))
+
+_DISPATCH_IN = ("x", "topk_idx", "topk_weights")
+_BACKWARD_IN = ("g", "y", "weights", "token_dest_pos", "recv_rows", "recv_counts", "row_slot")
+_COMBINE_IN = ("y", "weights", "row_values", "recv_rows", "recv_counts", "token_dest_pos", "slot_dest")
+TARGETS = {
+    target.name: target
+    for target in (
+        Target("jax_ep_dispatch", _DISPATCH_IN, RECEIVED + ROUTED),
+        Target("jax_ep_dispatch_start", _DISPATCH_IN, ROUTED + SENT),
+        Target("jax_ep_dispatch_finish", (*_DISPATCH_IN, "token_dest_pos", "slot_dest"), RECEIVED),
+        Target("jax_ep_combine_backward", _BACKWARD_IN, BACKWARD),
+        Target("jax_ep_combine_backward_start", _BACKWARD_IN, SENT),
+        Target("jax_ep_combine_backward_finish", (*_BACKWARD_IN, "sent"), BACKWARD),
+        Target("jax_ep_combine", _COMBINE_IN, COMBINED),
+        Target("jax_ep_combine_start", _COMBINE_IN, SENT),
+        Target("jax_ep_combine_finish", (*_COMBINE_IN, "sent"), COMBINED),
+    )
+}
+
+
+class DispatchStarted(NamedTuple):
+    """What :func:`dispatch_start` hands to :func:`dispatch_finish`: its inputs and its routing outputs. In the
+    backward pass, the cotangent's ``sent`` carries the started combine of the finish's backward pass to the
+    start's."""
+
+    rows: jax.Array | None
+    topk_idx: jax.Array | None
+    topk_weights: jax.Array | None
+    sent: jax.Array
+    token_dest_pos: jax.Array | None = None
+    slot_dest: jax.Array | None = None
+
+
+class CombineStarted(NamedTuple):
+    """What :func:`combine_start` hands to :func:`combine_finish`: ``sent``, which orders the finish after it, and
+    ``g_link``, a ``[T, H]`` placeholder whose cotangent carries combine's output cotangent to the backward pass of
+    the start."""
+
+    sent: jax.Array
+    g_link: jax.Array
 
 
 def on_gpus() -> bool:
@@ -51,17 +135,62 @@ def find_group(axis_name: Hashable, num_ranks: int, topk: int, num_experts: int)
             f"jax_ep.initialize made the group of axis {axis_name!r} for {group.num_ranks} ranks, "
             f"but this dispatch runs over {num_ranks}"
         )
-    limits = _group.limits()
-    if topk > limits["max_topk"]:
-        return None, f"topk must be at most {limits['max_topk']} for backend 'cuda', got {topk}"
-    if num_experts > limits["max_experts"]:
-        return None, f"num_experts must be at most {limits['max_experts']} for backend 'cuda', got {num_experts}"
-    return group.id, ""
+    reason = _group.over_limits(topk=topk, num_experts=num_experts)
+    return (None, reason) if reason else (group.id, "")
 
 
-def _result(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> Any:
-    """Result type that varies over the same mesh axes as ``like`` (inside ``shard_map``)."""
-    return jax.typeof(like).update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
+def target_name(target: str, group: _group.Group) -> str:
+    """The FFI target that runs ``target`` for ``group``: one XLA may capture in command buffers, or, where the group
+    talks NCCL (whose captured calls every rank must capture alike), one it never captures."""
+    return target + "_uncaptured" if group.uses_nccl() else target
+
+
+def _sizes(config: Config, hidden: int, **more: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The sizes results take their shapes from: ``T`` tokens, ``R`` ranks, ``K`` slots, ``L`` local experts, ``N``
+    layout rows, ``layout`` the layout's shape (``[C]`` or ``[L, C]``), ``H`` the row width, and ``more``."""
+    sizes = dict(
+        T=config.num_tokens, R=config.num_ranks, K=config.topk, L=config.local_experts, N=config.num_rows, H=hidden
+    )
+    return {"1": (1,), "layout": config.weights_shape, **{k: (v,) for k, v in sizes.items()}, **more}
+
+
+def _attrs(config: Config, target: str, site: int, **combine: bool) -> dict[str, Any]:
+    """The attributes of a call of ``target``: the group and the call site, then the op's own (ffi/xla/handlers.cc:
+    DispatchAttrs, CombineAttrs, CallAttrs)."""
+    attrs = dict(group=config.group, site=site)
+    if target.startswith("jax_ep_dispatch"):
+        attrs.update(
+            num_experts=config.num_experts,
+            capacity=config.capacity,
+            alignment=config.expert_alignment,
+            expert_layout=config.layout == "expert",
+        )
+    return {**attrs, **combine}
+
+
+def _call(
+    target: str,
+    config: Config,
+    like: jax.Array,
+    sizes: dict[str, tuple[int, ...]],
+    rows_dtype: Any,
+    *operands,
+    site: int,
+    **combine: bool,
+) -> dict[str, jax.Array]:
+    """One FFI call of ``target`` (its spec in TARGETS) from call site ``site`` (call_sites): the operands, then this
+    rank's axis index. Results vary over the mesh axes of ``like`` (inside ``shard_map``); returns them by name."""
+    spec = TARGETS[target]
+    assert len(operands) == len(spec.operands), (target, len(operands))
+    types = []
+    for result in spec.results:
+        shape = tuple(n for size in result.shape for n in sizes[size])
+        dtype = jnp.dtype(rows_dtype if result.dtype is ROWS else result.dtype)
+        types.append(jax.typeof(like).update(shape=shape, dtype=dtype, weak_type=False))
+    rank = jax.lax.axis_index(config.axis_name).astype(jnp.int32)
+    call = jax.ffi.ffi_call(target_name(target, _group.group_by_id(config.group)), tuple(types))
+    out = call(*operands, rank, **_attrs(config, target, site, **combine))
+    return {result.name: value for result, value in zip(spec.results, out, strict=True)}
 
 
 def _zeros(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -76,61 +205,18 @@ def _check_dtype(name: str, value: jax.Array) -> None:
         )
 
 
-def _call(target: str, results: dict[str, Any], *args: jax.Array, config: Config, **attrs: Any) -> dict[str, jax.Array]:
-    """One FFI call of ``target``. ``results`` maps each result's name to its type; the extension's ``results()``
-    (ffi/xla/handlers.h, kTargets) gives their order. Returns each result by its name."""
-    names = _group.extension().results()[target]
-    assert set(names) == set(results), f"{target} returns {names}, not {sorted(results)}"
-    rank = jax.lax.axis_index(config.axis_name).astype(jnp.int32)
-    call = jax.ffi.ffi_call(target, tuple(results[name] for name in names))
-    return dict(zip(names, call(*args, rank, group=config.group, **attrs), strict=True))
+def _dispatched(config: Config, out: dict[str, jax.Array]) -> Dispatched:
+    """The Dispatched of a dispatch's results, each field from the result of its name."""
+    handle = Handle(**{f.name: out[f.name] for f in dataclasses.fields(Handle) if f.name != "config"}, config=config)
+    fields = {f.name: out[f.name] for f in dataclasses.fields(Dispatched) if f.name in out}
+    return Dispatched(**fields, handle=handle)
 
 
-def _dispatch_attrs(config: Config) -> dict[str, Any]:
-    return dict(
-        config=config,
-        num_experts=config.num_experts,
-        expert_layout=config.layout == "expert",
-        capacity=config.capacity,
-        alignment=config.expert_alignment,
-    )
-
-
-def _received(config: Config, x: jax.Array) -> dict[str, Any]:
-    """Result types of what a dispatch's receive phase writes."""
-    i32 = jnp.int32
-    return {
-        "x": _result(x, (config.num_rows, x.shape[1]), x.dtype),
-        "weights": _result(x, (config.num_rows,), jnp.float32),
-        "group_sizes": _result(x, (config.local_experts,), i32),
-        "num_dropped": _result(x, (), i32),
-        "num_invalid": _result(x, (), i32),
-        "send_counts": _result(x, (config.num_ranks,), i32),
-        "recv_rows": _result(x, (config.num_ranks, config.num_tokens, config.topk), i32),
-        "recv_counts": _result(x, (config.num_ranks,), i32),
-        "row_slot": _result(x, (config.num_rows,), i32),
-    }
-
-
-def _routed(config: Config, x: jax.Array) -> dict[str, Any]:
-    """Result types of what the routing and send phase writes."""
-    return {
-        "token_dest_pos": _result(x, (config.num_tokens, config.num_ranks), jnp.int32),
-        "slot_dest": _result(x, (config.num_tokens, config.topk), jnp.int32),
-    }
-
-
-def _dispatched(config: Config, hidden: int, out: dict[str, jax.Array]) -> Dispatched:
-    """The dispatch's outputs, by name: the receive phase's and the routing phase's."""
-    routing = {field.name: out[field.name] for field in dataclasses.fields(Handle) if field.name != "config"}
-    return Dispatched(
-        x=out["x"].reshape(config.layout_shape(hidden)),
-        weights=out["weights"].reshape(config.weights_shape),
-        group_sizes=out["group_sizes"],
-        num_dropped=out["num_dropped"],
-        num_invalid=out["num_invalid"],
-        handle=Handle(**routing, config=config),
-    )
+def _dispatch(target: str, config: Config, rows: jax.Array, *operands: jax.Array) -> dict[str, jax.Array]:
+    if config.wire_dtype is None:
+        _check_dtype("x", rows)
+    sizes = _sizes(config, rows.shape[1])
+    return _call(target, config, rows, sizes, rows.dtype, rows, *operands, site=config.site)
 
 
 def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
@@ -138,11 +224,7 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
 
     With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep.ep.fp8``): bytes to move.
     """
-    if config.wire_dtype is None:
-        _check_dtype("x", x)
-    results = {**_received(config, x), **_routed(config, x)}
-    out = _call("jax_ep_dispatch", results, x, topk_idx, topk_weights, **_dispatch_attrs(config))
-    return _dispatched(config, x.shape[1], out)
+    return _dispatched(config, _dispatch("jax_ep_dispatch", config, x, topk_idx, topk_weights))
 
 
 def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
@@ -150,112 +232,20 @@ def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispa
     return dispatch(config, _zeros(topk_weights, (config.num_tokens, 0), jnp.float32), topk_idx, topk_weights)
 
 
-def transfer(handle: Handle, rows: jax.Array) -> jax.Array:
-    """Token rows ``[T, W]`` along ``handle`` with the combine-backward kernel (weight 1, no ``y``): ``[N, W]``."""
-    config = handle.config
-    _check_dtype("x", rows)
-    h, no_y, no_weights = handle, _zeros(rows, (config.num_rows, 0), rows.dtype), jnp.zeros((0,), jnp.float32)
-    operands = (rows, no_y, no_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
-    results = {
-        "dy": _result(rows, (config.num_rows, rows.shape[1]), rows.dtype),
-        "dweights": _result(rows, (0,), jnp.float32),
-    }
-    return _call("jax_ep_combine_backward", results, *operands, config=config)["dy"]
-
-
 def dispatch_start(
     config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
 ) -> DispatchStarted:
-    """Routing and the send phase. ``link`` (float32 [1], the call's output ``sent``) carries, in the backward
-    pass, the combine start of the finish's backward pass to the start's."""
+    """Routing and the send phase."""
     del x_type
-    if config.wire_dtype is None:
-        _check_dtype("x", rows)
-    out = _call(
-        "jax_ep_dispatch_start",
-        {**_routed(config, rows), "sent": _result(rows, (1,), jnp.float32)},
-        rows,
-        topk_idx,
-        topk_weights,
-        **_dispatch_attrs(config),
-    )
-    return DispatchStarted(
-        rows, topk_idx, topk_weights, link=out["sent"], token_dest_pos=out["token_dest_pos"], slot_dest=out["slot_dest"]
-    )
+    out = _dispatch("jax_ep_dispatch_start", config, rows, topk_idx, topk_weights)
+    return DispatchStarted(rows, topk_idx, topk_weights, out["sent"], out["token_dest_pos"], out["slot_dest"])
 
 
 def dispatch_finish(config: Config, started: DispatchStarted) -> Dispatched:
     """The receive phase of :func:`dispatch_start`'s call."""
-    rows, topk_idx, topk_weights, _, token_dest_pos, slot_dest = started
-    out = _call(
-        "jax_ep_dispatch_finish",
-        _received(config, rows),
-        rows,
-        topk_idx,
-        topk_weights,
-        token_dest_pos,
-        slot_dest,
-        **_dispatch_attrs(config),
-    )
-    return _dispatched(config, rows.shape[1], {**out, "token_dest_pos": token_dest_pos, "slot_dest": slot_dest})
-
-
-def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
-    """The backward pass of the finish: the start of the cotangents' combine, carried in ``link``. It stages
-    this rank's own partial sums too, so that its finish needs only what the start made."""
-    operands = _combine_operands(handle, rows_ct, None, weights_ct)
-    sent = _combine_start(handle.config, operands, partial_f32=False, stage_own=True)
-    return DispatchStarted(None, None, None, sent)
-
-
-def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType):
-    """The backward pass of the start: that combine's finish, from the start's own outputs. Returns (dx, dweights)."""
-    token_dest_pos, slot_dest = started.token_dest_pos, started.slot_dest
-    hidden, dtype = x_type
-    empty = jnp.zeros((0,), jnp.int32)
-    operands = (
-        _zeros(token_dest_pos, (0, hidden), dtype),  # no y: the start staged every partial sum
-        empty.astype(jnp.float32),
-        empty.astype(jnp.float32),
-        empty.reshape(0, 0, 0),
-        empty,
-        token_dest_pos,
-        slot_dest,
-    )
-    out, values = _combine_finish(config, operands, dstarted.link, hidden, dtype, True, False, stage_own=True)
-    return out, values
-
-
-def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None) -> tuple:
-    _check_dtype("y", y)
-    rows = y.reshape(handle.config.num_rows, -1)
-    flat_weights = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
-    h = handle
-    return (cotangent.astype(rows.dtype), rows, flat_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
-
-
-def _backward_results(handle: Handle, y: jax.Array, weights: jax.Array | None) -> dict[str, Any]:
-    rows = y.reshape(handle.config.num_rows, -1)
-    return {
-        "dy": _result(rows, rows.shape, rows.dtype),
-        "dweights": _result(rows, (rows.shape[0] if weights is not None else 0,), jnp.float32),
-    }
-
-
-def _backward_outputs(y: jax.Array, weights: jax.Array | None, out: dict[str, jax.Array]):
-    dy = out["dy"].reshape(y.shape)
-    if weights is None:
-        return dy, None
-    return dy, out["dweights"].reshape(weights.shape).astype(weights.dtype)
-
-
-def combine_backward(
-    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
-    operands = _backward_operands(handle, cotangent, y, weights)
-    out = _call("jax_ep_combine_backward", _backward_results(handle, y, weights), *operands, config=handle.config)
-    return _backward_outputs(y, weights, out)
+    s = started
+    out = _dispatch("jax_ep_dispatch_finish", config, s.rows, s.topk_idx, s.topk_weights, s.token_dest_pos, s.slot_dest)
+    return _dispatched(config, {**out, "token_dest_pos": s.token_dest_pos, "slot_dest": s.slot_dest})
 
 
 def _combine_operands(
@@ -283,92 +273,144 @@ def _partial_f32(rows: jax.Array, partial_dtype: Any) -> bool:
     return jnp.dtype(partial_dtype) == jnp.dtype(jnp.float32) and rows.dtype != jnp.float32
 
 
-def _combined(config: Config, like: jax.Array, hidden: int, dtype: Any, with_values: bool) -> dict[str, Any]:
-    """Result types of a combine's receive phase: the [T, H] sums, and the slot values ([T, K], else [0])."""
-    return {
-        "out": _result(like, (config.num_tokens, hidden), dtype),
-        "slot_values": _result(like, (config.num_tokens, config.topk) if with_values else (0,), jnp.float32),
-    }
+def _combine(
+    target: str,
+    config: Config,
+    operands: tuple,
+    hidden: int,
+    dtype: Any,
+    *,
+    site: int,
+    with_values: bool = False,
+    partial_f32: bool = False,
+    stage_own: bool = False,
+) -> dict[str, jax.Array]:
+    """A combine call (whole, start or finish): the [T, H] sums ``out`` and, with values, ``slot_values``."""
+    like = operands[5]  # token_dest_pos: a finish with staged partial sums may have no rows
+    sizes = _sizes(config, hidden, valued=(config.num_tokens, config.topk) if with_values else (0,))
+    combine = dict(partial_f32=partial_f32, stage_own=stage_own)
+    return _call(target, config, like, sizes, dtype, *operands, site=site, **combine)
 
 
 def combine(
-    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, row_values: jax.Array | None = None
+    handle: Handle,
+    rows: jax.Array,
+    weights: jax.Array | None,
+    partial_dtype: Any,
+    row_values: jax.Array | None = None,
+    *,
+    site: int,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
-    config = handle.config
-    out = _call(
-        "jax_ep_combine",
-        _combined(config, rows, rows.shape[1], rows.dtype, row_values is not None),
-        *_combine_operands(handle, rows, weights, row_values),
-        config=config,
-        partial_f32=_partial_f32(rows, partial_dtype),
-    )
-    return out["out"], (out["slot_values"] if row_values is not None else None)
-
-
-def _combine_start(config: Config, operands: tuple, *, partial_f32: bool, stage_own: bool) -> jax.Array:
-    """A split combine's send phase; returns the start's output ``sent`` (float32 [1])."""
-    out = _call(
-        "jax_ep_combine_start",
-        {"sent": _result(operands[0], (1,), jnp.float32)},
-        *operands,
-        config=config,
-        partial_f32=partial_f32,
-        stage_own=stage_own,
-    )
-    return out["sent"]
-
-
-def _combine_finish(config, operands, sent, hidden, dtype, with_values, partial_f32, *, stage_own):
-    """A split combine's receive phase: the [T, H] sums (and the slot values, or None)."""
-    like = operands[5]  # token_dest_pos
-    out = _call(
-        "jax_ep_combine_finish",
-        _combined(config, like, hidden, dtype, with_values),
-        *operands,
-        sent,
-        config=config,
-        partial_f32=partial_f32,
-        stage_own=stage_own,
-    )
+    operands = _combine_operands(handle, rows, weights, row_values)
+    with_values, partial_f32 = row_values is not None, _partial_f32(rows, partial_dtype)
+    args = (handle.config, operands, rows.shape[1], rows.dtype)
+    out = _combine("jax_ep_combine", *args, site=site, with_values=with_values, partial_f32=partial_f32)
     return out["out"], (out["slot_values"] if with_values else None)
 
 
-def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> CombineStarted:
+def combine_start(
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, *, site: int
+) -> CombineStarted:
     """The send phase."""
     operands = _combine_operands(handle, rows, weights, None)
-    sent = _combine_start(handle.config, operands, partial_f32=_partial_f32(rows, partial_dtype), stage_own=False)
+    args = (handle.config, operands, rows.shape[1], rows.dtype)
+    sent = _combine("jax_ep_combine_start", *args, site=site, partial_f32=_partial_f32(rows, partial_dtype))["sent"]
     return CombineStarted(sent, _zeros(rows, (handle.config.num_tokens, rows.shape[1]), rows.dtype))
 
 
 def combine_finish(
-    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted, *, site
 ) -> jax.Array:
     """The receive phase of :func:`combine_start`'s call (this rank's own partial sums from ``rows``)."""
-    operands = _combine_operands(handle, rows, weights, None)
-    partial_f32 = _partial_f32(rows, partial_dtype)
-    args = (handle.config, operands, started.sent, rows.shape[1], rows.dtype, False, partial_f32)
-    return _combine_finish(*args, stage_own=False)[0]
+    operands = (*_combine_operands(handle, rows, weights, None), started.sent)
+    args = (handle.config, operands, rows.shape[1], rows.dtype)
+    return _combine("jax_ep_combine_finish", *args, site=site, partial_f32=_partial_f32(rows, partial_dtype))["out"]
 
 
-def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
+def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
+    """The backward pass of the finish: the start of the cotangents' combine, carried in ``sent``. It stages this
+    rank's own partial sums too, so that its finish needs only what the start made."""
+    operands = _combine_operands(handle, rows_ct, None, weights_ct)
+    site = call_sites.backward(handle.config.site, "the backward pass")
+    args = (handle.config, operands, rows_ct.shape[1], rows_ct.dtype)
+    sent = _combine("jax_ep_combine_start", *args, site=site, stage_own=True)["sent"]
+    return DispatchStarted(None, None, None, sent)
+
+
+def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType):
+    """The backward pass of the start: that combine's finish, from the start's own outputs. Returns (dx, dweights)."""
+    hidden, dtype = x_type
+    empty = jnp.zeros((0,), jnp.float32)
+    operands = (
+        _zeros(started.token_dest_pos, (0, hidden), dtype),  # no y: the start staged every partial sum
+        empty,
+        empty,
+        jnp.zeros((0, 0, 0), jnp.int32),
+        jnp.zeros((0,), jnp.int32),
+        started.token_dest_pos,
+        started.slot_dest,
+        dstarted.sent,
+    )
+    site = call_sites.backward(config.site, "the backward pass")
+    args = (config, operands, hidden, dtype)
+    out = _combine("jax_ep_combine_finish", *args, site=site, with_values=True, stage_own=True)
+    return out["out"], out["slot_values"]
+
+
+def _backward(target: str, handle: Handle, operands: tuple, y: jax.Array, weights: jax.Array | None, site: int):
+    config = handle.config
+    weighted = (config.num_rows,) if weights is not None else (0,)
+    rows = y.reshape(config.num_rows, -1)
+    return _call(target, config, rows, _sizes(config, rows.shape[1], weighted=weighted), y.dtype, *operands, site=site)
+
+
+def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None) -> tuple:
+    _check_dtype("y", y)
+    rows = y.reshape(handle.config.num_rows, -1)
+    flat_weights = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
+    h = handle
+    return (cotangent.astype(rows.dtype), rows, flat_weights, h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
+
+
+def _backward_outputs(y: jax.Array, weights: jax.Array | None, out: dict[str, jax.Array]):
+    dy = out["dy"].reshape(y.shape)
+    if weights is None:
+        return dy, None
+    return dy, out["dweights"].reshape(weights.shape).astype(weights.dtype)
+
+
+def combine_backward(
+    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None, *, site: int
+) -> tuple[jax.Array, jax.Array | None]:
+    """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
+    operands = _backward_operands(handle, cotangent, y, weights)
+    return _backward_outputs(y, weights, _backward("jax_ep_combine_backward", handle, operands, y, weights, site))
+
+
+def transfer(handle: Handle, rows: jax.Array, *, site: int) -> jax.Array:
+    """Token rows ``[T, W]`` along ``handle`` with the combine-backward kernel (weight 1, no ``y``): ``[N, W]``."""
+    config = handle.config
+    _check_dtype("x", rows)
+    no_y = _zeros(rows, (config.num_rows, 0), rows.dtype)
+    h = handle
+    operands = (rows, no_y, jnp.zeros((0,), jnp.float32), h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
+    sizes = _sizes(config, rows.shape[1], weighted=(0,))
+    return _call("jax_ep_combine_backward", config, rows, sizes, rows.dtype, *operands, site=site)["dy"]
+
+
+def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None, *, site):
     """The backward pass of the finish: the send phase of combine's backward pass. Returns (dy, dweights,
     dstarted), dstarted carrying the start's output and the cotangent to :func:`combine_start_backward`."""
     operands = _backward_operands(handle, cotangent, y, weights)
-    results = {"sent": _result(y, (1,), jnp.float32)}
-    out = _call("jax_ep_combine_backward_start", results, *operands, config=handle.config)
-    return None, None, CombineStarted(out["sent"], operands[0])
+    sent = _backward("jax_ep_combine_backward_start", handle, operands, y, weights, site)["sent"]
+    return None, None, CombineStarted(sent, operands[0])
 
 
-def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted):
+def combine_start_backward(
+    handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted, *, site: int
+):
     """The backward pass of the start: the receive phase of combine's backward pass. Returns (dy, dweights)."""
-    sent, cotangent = dstarted
-    operands = _backward_operands(handle, cotangent, y, weights)
-    out = _call(
-        "jax_ep_combine_backward_finish",
-        _backward_results(handle, y, weights),
-        *operands,
-        sent,
-        config=handle.config,
-    )
+    operands = (*_backward_operands(handle, dstarted.g_link, y, weights), dstarted.sent)
+    out = _backward("jax_ep_combine_backward_finish", handle, operands, y, weights, site)
     return _backward_outputs(y, weights, out)

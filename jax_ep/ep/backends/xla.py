@@ -11,13 +11,13 @@ flattened to ``[N, ...]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ..routing import assign_rows, local_layout
-from ..types import CombineStarted, Config, Dispatched, DispatchStarted, Handle, RowType
+from ..types import Config, Dispatched, Handle, RowType
 
 
 def _exchange(buffer: jax.Array, config: Config) -> jax.Array:
@@ -89,7 +89,7 @@ def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispa
     )
 
 
-def transfer(handle: Handle, x: jax.Array) -> jax.Array:
+def transfer(handle: Handle, x: jax.Array, *, site: int = 0) -> jax.Array:
     """Token rows ``x [T, H]`` along the routing of ``handle``: layout rows ``[N, H]``, zero where no slot is held.
 
     Each token goes once to every rank it is routed to; there it fills the rows of its slots.
@@ -110,7 +110,13 @@ def _rows_in_order(recv_rows: jax.Array) -> jax.Array:
 
 
 def combine(
-    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, row_values: jax.Array | None = None
+    handle: Handle,
+    rows: jax.Array,
+    weights: jax.Array | None,
+    partial_dtype: Any,
+    row_values: jax.Array | None = None,
+    *,
+    site: int = 0,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Weighted sum of layout rows ``rows [N, H]`` back onto tokens: ``[T, H]`` in ``rows.dtype``.
 
@@ -150,7 +156,7 @@ def combine(
 
 
 def combine_backward(
-    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None
+    handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None, *, site: int = 0
 ) -> tuple[jax.Array, jax.Array | None]:
     """The backward pass of combine: ``dy`` (``y``'s shape and dtype) and ``dweights`` (``weights``' shape and
     dtype, None without weights) from the cotangent ``[T, H]`` of combine's output.
@@ -171,6 +177,21 @@ def combine_backward(
 # inputs, the finish runs the whole op, and the backward pass of the finish runs the whole backward pass, whose
 # cotangents reach the start's through `link` (x's) and `topk_weights`. Combine's start does nothing; its finish
 # and that one's backward pass run the whole ops.
+
+
+class DispatchStarted(NamedTuple):
+    """What :func:`dispatch_start` hands to :func:`dispatch_finish`: its inputs, and ``link``, a ``[T, H]``
+    placeholder. The cotangent of this is the backward pass's: ``topk_weights``' the weights' cotangent, ``link``'s
+    x's (the backward pass of the finish computes both)."""
+
+    rows: jax.Array | None
+    topk_idx: jax.Array | None
+    topk_weights: jax.Array | None
+    link: jax.Array | None
+
+
+class CombineStarted(NamedTuple):
+    """What :func:`combine_start` hands to :func:`combine_finish`: nothing."""
 
 
 def dispatch_start(
@@ -194,22 +215,27 @@ def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: 
     return dstarted.link, dstarted.topk_weights
 
 
-def combine_start(handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any) -> CombineStarted:
-    del handle, rows, weights, partial_dtype
+def combine_start(
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, *, site: int = 0
+) -> CombineStarted:
+    del handle, rows, weights, partial_dtype, site
     return CombineStarted()
 
 
 def combine_finish(
-    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted
+    handle: Handle, rows: jax.Array, weights: jax.Array | None, partial_dtype: Any, started: CombineStarted, *, site=0
 ) -> jax.Array:
-    del started
+    del started, site
     return combine(handle, rows, weights, partial_dtype)[0]
 
 
-def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None):
+def combine_finish_backward(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None, *, site=0):
+    del site
     return (*combine_backward(handle, cotangent, y, weights), CombineStarted())
 
 
-def combine_start_backward(handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted):
-    del handle, y, weights, dstarted
+def combine_start_backward(
+    handle: Handle, y: jax.Array, weights: jax.Array | None, dstarted: CombineStarted, *, site: int = 0
+):
+    del handle, y, weights, dstarted, site
     return None, None

@@ -1,0 +1,86 @@
+"""jax_ep.finalize right after 20 training steps that were never waited for (JAX dispatches asynchronously): the
+steps finish as they would have (their results match backend "xla"), a call after finalize fails with an error that
+says so, and compute-sanitizer's memcheck finds no access of jax_ep's kernels to memory finalize freed.
+
+The case runs in a fresh process, under ``compute-sanitizer --tool memcheck`` where it is found; run it by hand with
+``python tests/test_cuda_finalize.py``.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gpu import require_cuda
+from jax.sharding import PartitionSpec as P
+
+pytestmark = require_cuda()
+STEPS, TOKENS, HIDDEN, TOPK, EXPERTS = 20, 64, 256, 4, 16
+
+
+def _step(backend: str):
+    import jax_ep
+
+    def loss(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=EXPERTS, axis_name="ep", backend=backend)
+        held = (jnp.arange(d.x.shape[0]) < jnp.sum(d.group_sizes))[:, None]
+        y = jnp.where(held, jnp.tanh(jnp.where(held, d.x, 0)), 0)
+        return jnp.sum(jax_ep.combine(y, d.handle, weights=d.weights) ** 2)
+
+    def body(x, idx, w):
+        value, (dx, dw) = jax.value_and_grad(loss, argnums=(0, 2))(x, idx, w)
+        return value[None], dx, dw
+
+    return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def main() -> None:
+    import jax_ep
+
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
+    jax_ep.initialize(mesh, "ep", num_tokens=TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(TOKENS)]), jnp.int32)
+    w = jnp.asarray(rng.random((TOKENS, TOPK)) + 0.1, jnp.float32)
+    with jax.set_mesh(mesh):
+        cuda, xla = _step("cuda"), _step("xla")
+        jax.block_until_ready(cuda(x, idx, w))  # compiled, and the group's first call made
+        results = [cuda(x * (1 + i / STEPS), idx, w) for i in range(STEPS)]  # never waited for
+        jax_ep.finalize()
+        print("finalized after the steps were dispatched", flush=True)
+        for i, got in enumerate(results):
+            want = xla(x * (1 + i / STEPS), idx, w)
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print(f"{STEPS} steps dispatched before finalize match backend xla", flush=True)
+        try:
+            jax.block_until_ready(cuda(x, idx, w))
+        except Exception as error:  # noqa: BLE001  (XLA raises its own error types)
+            assert "finalized" in str(error), error
+            print(f"a call after finalize failed as expected: {str(error)[:200]}", flush=True)
+        else:
+            raise AssertionError("a call after finalize ran")
+    print("OK", flush=True)
+
+
+def test_finalize_right_after_steps_that_were_never_waited_for():
+    sanitizer = shutil.which("compute-sanitizer")
+    command = [sys.executable, __file__]
+    if sanitizer:
+        command = [sanitizer, "--tool", "memcheck", "--kernel-name", "kns=jax_ep", "--error-exitcode", "3", *command]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    print(" ".join(command), "\n", done.stdout[-6000:], done.stderr[-4000:])
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    assert f"{STEPS} steps dispatched before finalize match backend xla" in done.stdout
+    assert "a call after finalize failed as expected" in done.stdout
+    if sanitizer:
+        assert "ERROR SUMMARY: 0 errors" in done.stdout + done.stderr
+
+
+if __name__ == "__main__":
+    main()
