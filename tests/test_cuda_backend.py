@@ -359,14 +359,14 @@ def _fails_with_a_split_op_open(mesh, transport, inputs):
     _assert_same(_run(mesh, "cuda", x, idx, w, split=True, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
-def _positions_and_link(pending):
+def _positions_and_sent(pending):
     started = pending.started
-    return started.token_dest_pos, started.slot_dest, started.link
+    return started.token_dest_pos, started.slot_dest, started.sent
 
 
 @pytest.mark.parametrize("tokens", [64, 512], ids=["one_chunk", "two_chunks"])
 def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, transport, tokens):
-    """Two dispatch_starts in a row: the first writes real positions and link 0 and stays open, the second
+    """Two dispatch_starts in a row: the first writes real positions and sent 0 and stays open, the second
     fails (its positions and slot ranks all -1) and the group says a split op was open. One chunk of routing in a
     group of one GPU is the start whose routing kernel checks and opens the call itself; two chunks go through the
     send kernel."""
@@ -377,18 +377,18 @@ def test_a_start_while_a_start_is_open_fails_and_poisons_its_positions(mesh, tra
     spec = P("ep")
     start = jax.jit(
         jax.shard_map(
-            lambda *a: _positions_and_link(jax_ep.dispatch_start(*a, num_experts=16, axis_name="ep", backend="cuda")),
+            lambda *a: _positions_and_sent(jax_ep.dispatch_start(*a, num_experts=16, axis_name="ep", backend="cuda")),
             in_specs=spec,
             out_specs=spec,
         )
     )
     with _fails_with_a_split_op_open(mesh, transport, (x, idx, w)):
-        first_pos, first_slots, first_link = (np.asarray(a) for a in start(x, idx, w))
+        first_pos, first_slots, first_sent = (np.asarray(a) for a in start(x, idx, w))
         second_pos, second_slots, _ = (np.asarray(a) for a in start(x, idx, w))
         assert first_pos.shape == (tokens * ranks, ranks)
         assert first_pos.max() >= 0 and np.all(first_pos >= -1)
         assert first_slots.max() >= 0 and np.all(first_slots >= -1)
-        np.testing.assert_array_equal(first_link, np.zeros(ranks, np.float32))
+        np.testing.assert_array_equal(first_sent, np.zeros(ranks, np.float32))
         np.testing.assert_array_equal(second_pos, np.full_like(second_pos, -1))
         np.testing.assert_array_equal(second_slots, np.full_like(second_slots, -1))
 
