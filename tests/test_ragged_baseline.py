@@ -8,7 +8,7 @@ from helpers import slow
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
+from bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,7 @@ from helpers import (  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
-from jax_ep.bench.record import SOURCES, sources  # noqa: E402
+from bench.record import SOURCES, sources  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 UNIT = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff
