@@ -290,11 +290,11 @@ for i in "${!PLAN_NAME[@]}"; do
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
       budget=$((limit - overhead < 5 ? 5 : limit - overhead))
-      run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
+      run_step "$name" "$limit" "$result" python3 -m tools.fuzz --platform gpu --backend cuda --ranks "$ranks" \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     fuzz_shared)
       budget=$((limit - 15 < 5 ? 5 : limit - 15))  # two processes: 6 s more than at R=1
-      run_step fuzz_shared "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --processes 2 \
+      run_step fuzz_shared "$limit" "$result" python3 -m tools.fuzz --platform gpu --backend cuda --processes 2 \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     concurrency)
       meshes=$([ "$largest" -ge 4 ] && echo 2 || echo 1)

@@ -97,7 +97,7 @@ def judge(rc: int, limit: int, log: Path, result: dict | None) -> tuple[str, str
         if rc != 0 or bad:
             seeds = [m["seed"] for m in result.get("mismatches", [])][:3]
             return "FAIL", summary + (
-                f"; replay: python tools/fuzz.py --replay {seeds[0]} (seeds {seeds})" if seeds else ""
+                f"; replay: python -m tools.fuzz --replay {seeds[0]} (seeds {seeds})" if seeds else ""
             )
         return ("PASS", summary) if cases else ("FAIL", "no case ran (no time after starting?)")
     if rc != 0:

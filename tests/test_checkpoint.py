@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_mesh
 from flax import nnx
-from gpu import gpu_devices, require_cuda
-from helpers import ep_jit, to_numpy
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 import jax_ep.nn
+from tests.conftest import cpu_mesh
+from tests.gpu import gpu_devices, require_cuda
+from tests.helpers import ep_jit, to_numpy
 
 T, H, K, E = 16, 128, 2, 8  # per rank
 POLICIES = {

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_cuda
-from helpers import assert_bits_equal, quantize_dequantize, ragged_tail, specified
 from jax.sharding import PartitionSpec as P
+
+from tests.gpu import gpu_devices, require_cuda
+from tests.helpers import assert_bits_equal, quantize_dequantize, ragged_tail, specified
 
 pytestmark = require_cuda()
 
@@ -513,7 +514,7 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
     _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
-SCAN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "command_buffer_scan.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("split", ["0", "1"])
@@ -526,9 +527,8 @@ def test_a_training_scan_under_command_buffers_matches_xla(mesh, tmp_path, split
     # training: the ragged tails then hold other buffers' bits.
     env = {**os.environ, "JAX_EP_SCAN_RANKS": str(ranks), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
     env["JAX_EP_SCAN_SPLIT"] = split
-    done = subprocess.run(
-        [sys.executable, str(SCAN_SCRIPT)], env=env, capture_output=True, text=True, timeout=400, check=False
-    )
+    command = [sys.executable, "-m", "tools.command_buffer_scan"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
     print(done.stdout[-4000:], done.stderr[-4000:])
     assert done.returncode == 0, done.stderr[-4000:]
     assert "captured:" in done.stdout and "OK" in done.stdout

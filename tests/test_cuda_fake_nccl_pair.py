@@ -12,7 +12,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from gpu import require_cuda
+
+from tests.gpu import require_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests/cuda/fake_nccl_pair.cu"

@@ -8,11 +8,11 @@ must be the ones the extension lists.
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.ep import group as _group
+from tests.conftest import cpu_mesh
 
 TARGETS = {
     f"jax_ep_{op}{half}" for op in ("dispatch", "combine", "combine_backward") for half in ("", "_start", "_finish")

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import require_gpu
-from helpers import slow
 
 import jax_ep
 from jax_ep.gmm import grouped_matmul as gm
 from jax_ep.gmm import padded as padded
 from jax_ep.gmm.mosaic import Blocks, num_row_tiles, tile_table
 from jax_ep.gmm.padded import padded_rows
+from tests.gpu import require_gpu
+from tests.helpers import slow
 
 # (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
 CASES = {
@@ -135,8 +135,9 @@ def test_nan_in_a_group_stays_in_that_group():
 
 def test_custom_vjp_inside_shard_map():
     """Under jax.shard_map the kernel branch's output is cast to varying like XLA's, so both branches trace."""
-    from conftest import cpu_mesh
     from jax.sharding import PartitionSpec as P
+
+    from tests.conftest import cpu_mesh
 
     x, w, sizes, dy = make("ragged")
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu import gpu_devices, require_cuda
 
 import jax_ep
 from jax_ep import _cuda_build
 from jax_ep.ep import group as _group
+from tests.gpu import gpu_devices, require_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(bool(gpu_devices()), reason="checks a machine without GPUs")

@@ -1,6 +1,6 @@
 """One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
 
-    python tools/multiprocess_worker.py PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
+    python -m tools.multiprocess_worker PORT PROCESS_ID {compare,compare_shared,peer_hangs,late_shared,
                                                          skew_shared,wrong_rank_shared,scan_shared,dies_shared}
 
 compare:   backend "cuda" against "xla" over a mesh of both processes' GPUs: dispatch bit for bit, combine
@@ -27,7 +27,6 @@ import sys
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # reference
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -101,7 +100,7 @@ CASES = [
 
 def reference_run(mesh, host, dtype, *, num_experts, layout, capacity):
     """What ``run`` returns on this process's rank, from tests/reference.py (float64 sums) over ``host_inputs``."""
-    import reference
+    from tests import reference
 
     xs, ids, ws = (a.reshape(R, a.shape[0] // R, -1) for a in (host[0].astype(np.float32), *host[1:]))
     ref = reference.dispatch(xs, ids, ws, num_experts=num_experts, layout=layout, capacity=capacity)
@@ -260,7 +259,7 @@ def wrong_rank_shared(mesh, process_id):
 
 def scan_shared(mesh, process_id):
     """tools/command_buffer_scan.py's scan with two processes on one GPU, each rank against the reference."""
-    import command_buffer_scan as scan
+    from tools import command_buffer_scan as scan
 
     data = scan.inputs(R)
     m = data["m"]
