@@ -77,6 +77,24 @@ def test_multiprocess_bench_cpu_dry_run(tmp_path):
     assert "process 1, xla" in done.stdout and "process 0, xla" in done.stdout
 
 
+def test_the_performance_page_opens_with_the_table_and_plot_made_from_the_results(tmp_path, capsys):
+    """docs/performance.md's first table is the one bench/plot_performance.py makes from the committed results
+    files, line for line, and the page shows the plot, which the script draws from the same files."""
+    from bench import plot_performance
+
+    page = (ROOT / "docs" / "performance.md").read_text()
+    table = plot_performance.table()
+    assert "\n".join(table) in page
+    assert "|---" not in page[: page.index(table[0])], "the headline table must be the page's first"
+    assert "not yet measured" in table[-1] and "two or more GPUs" in table[-1]
+    assert "](performance.png)" in page and (ROOT / "docs" / "performance.png").stat().st_size > 20_000
+
+    assert plot_performance.main([str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "plot.png").stat().st_size > 20_000
+    assert capsys.readouterr().out.splitlines() == table
+
+
 def test_speedups_are_per_suite_and_shape():
     from bench.exchange import speedups
 
