@@ -95,6 +95,20 @@ def test_the_performance_page_opens_with_the_table_and_plot_made_from_the_result
     assert capsys.readouterr().out.splitlines() == table
 
 
+def test_bench_results_holds_the_files_the_docs_cite():
+    """bench/results keeps only results files that a doc cites, at most 30; a doc that cites a file the tree no
+    longer holds says, on the same line, that it is in git history."""
+    pages = [ROOT / "README.md", ROOT / "BUILD.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages += [ROOT / "bench" / "README.md", ROOT / "tools" / "README.md"]
+    lines = [line for page in pages for line in page.read_text().splitlines()]
+    name = re.compile(r"\b\w+_h[12]00x\d\.json|\breliability_fuzz_cpu\.json")
+    cited = {found for line in lines for found in name.findall(line)}
+    held = {path.name for path in (ROOT / "bench" / "results").iterdir()}
+    assert len(held) <= 30 and held <= cited, f"not cited by any doc: {sorted(held - cited)}"
+    gone = [line for line in lines if any(f not in held for f in name.findall(line)) and "in git history" not in line]
+    assert gone == [], "cites a file that bench/results no longer holds"
+
+
 def test_speedups_are_per_suite_and_shape():
     from bench.exchange import speedups
 
