@@ -126,12 +126,46 @@ def test_speedups_are_per_suite_and_shape():
     }
 
 
-def test_time_backend_passes_partial_dtype():
-    import inspect
+def test_time_backend_times_the_ops_it_is_asked_for(monkeypatch):
+    """time_backend's dispatch sends rows as ``wire_dtype`` and its combine sums in ``partial_dtype``, each passed
+    only when set (so that older builds' ops, without them, time with the same method), and it reports each step's
+    seconds per call as µs. The loops are traced, not timed (the CPU dry runs time them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
 
-    from bench.timing import time_backend
+    import jax_ep
+    from bench import timing
 
-    assert inspect.signature(time_backend).parameters["partial_dtype"].default is None
+    calls = {"dispatch": [], "combine": []}
+    real = {op: getattr(jax_ep, op) for op in calls}
+
+    def spy(op):
+        def call(*args, **kwargs):
+            calls[op].append({k: kwargs[k] for k in ("wire_dtype", "partial_dtype") if k in kwargs})
+            return real[op](*args, **kwargs)
+
+        return call
+
+    def traced(step, args, iters, adaptive):
+        body = jax.shard_map(lambda *a: step(jnp.int32(1), *a)[None], in_specs=P("ep"), out_specs=P("ep"))
+        assert jax.eval_shape(body, *args).dtype == jnp.float32
+        return 2e-6
+
+    for op in calls:
+        monkeypatch.setattr(jax_ep, op, spy(op))
+    monkeypatch.setattr(timing, "seconds_per_call", traced)
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:1])
+    x, idx, w, _ = timing.make_inputs(1, 8, 128)
+    with jax.set_mesh(mesh):
+        timed = timing.time_backend("xla", x, idx, w, partial_dtype=jnp.float32)
+        assert timed == {"dispatch_us": pytest.approx(2.0), "combine_us": pytest.approx(2.0)}
+        assert calls["dispatch"] and all(kw == {} for kw in calls["dispatch"])
+        assert calls["combine"] and all(kw == {"partial_dtype": jnp.float32} for kw in calls["combine"])
+        calls["dispatch"].clear(), calls["combine"].clear()
+        timing.time_backend("xla", x, idx, w, wire_dtype=jnp.float8_e4m3fn)
+    assert calls["dispatch"] and all(kw == {"wire_dtype": jnp.float8_e4m3fn} for kw in calls["dispatch"])
+    assert calls["combine"] and all(kw == {} for kw in calls["combine"])
 
 
 def _ncu_csv(path: Path, calls: list[list[tuple]]) -> None:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.gpu import require_cuda
+from tests.gpu import gpu_devices, require_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests/cuda/fake_nccl_pair.cu"
@@ -31,22 +31,28 @@ def _nvcc(*args):
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    """The harness linked with the kernels, for this machine's GPU."""
+    """The harness linked with the kernels, for this machine's GPU (for an H100 or H200 where there is none)."""
+    arch = "-arch=native" if gpu_devices() else "-arch=sm_90"
     out = tmp_path_factory.mktemp("fake_nccl_pair")
     sources = [HARNESS, *(ROOT / "ffi/kernels" / k for k in KERNELS)]
     objects = [out / f"{s.stem}.o" for s in sources]
     with ThreadPoolExecutor(len(sources)) as pool:
-        list(
-            pool.map(
-                lambda so: _nvcc("-arch=native", "-c", str(so[0]), "-o", str(so[1])), zip(sources, objects, strict=True)
-            )
-        )
-    _nvcc("-arch=native", *map(str, objects), "-o", str(out / "fake_nccl_pair"))
+        list(pool.map(lambda so: _nvcc(arch, "-c", str(so[0]), "-o", str(so[1])), zip(sources, objects, strict=True)))
+    _nvcc(arch, *map(str, objects), "-o", str(out / "fake_nccl_pair"))
     return out / "fake_nccl_pair"
 
 
-def test_the_harness_compiles_against_the_kernels_interface(tmp_path):
-    _nvcc("-arch=sm_90", "-c", str(HARNESS), "-o", str(tmp_path / "fake_nccl_pair.o"))
+@pytest.mark.slow  # nvcc builds the four kernel files: about 40 s on 2 cores
+def test_the_harness_links_with_the_kernels_and_fails_loudly_without_a_gpu(harness):
+    """The harness builds against launch.h and links with the kernels' objects, so a launcher whose declaration
+    and definition disagree fails here, on machines without a GPU too; and it never reports success without
+    running: with no GPU it stops at cudaSetDevice, exit 1."""
+    assert harness.is_file()
+    if gpu_devices() or pathlib.Path("/dev/nvidiactl").exists():
+        pytest.skip("a GPU is here: the tests below run the harness")
+    done = subprocess.run([str(harness)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith("FAILED: cudaSetDevice(0): ") and "OK" not in done.stdout, done.stdout
 
 
 @require_cuda(min_gpus=1)

@@ -5,6 +5,9 @@ those names. Here every op is traced on CPU devices taken for GPUs, and the name
 must be the ones the extension lists.
 """
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -73,6 +76,36 @@ def test_cuda_py_builds_the_results_the_extension_lists(monkeypatch, extension):
     assert built == {target: set(names) for target, names in extension.results().items()}
 
 
-def test_limits(extension):
-    assert extension.limits() == {"max_topk": 64, "max_experts": 8192}
-    assert _group.limits() == extension.limits()
+def test_limits_are_the_kernels_and_bound_backend_cuda(monkeypatch, extension):
+    """limits() are the constants the kernels are built with (ffi/kernels/launch.h: a token's rows and the
+    receivers' row tables live in shared memory), and backend "cuda" takes a dispatch at both limits and refuses
+    one past them before any kernel, naming the limit."""
+    from jax_ep.ep.backends import cuda
+
+    header = (Path(__file__).resolve().parents[1] / "ffi" / "kernels" / "launch.h").read_text()
+    built = {
+        key: int(re.search(rf"\bconstexpr\s+\w+\s+{constant}\s*=\s*(\d+)\s*;", header).group(1))
+        for key, constant in (("max_topk", "kMaxTopk"), ("max_experts", "kMaxExperts"))
+    }
+    assert extension.limits() == built and _group.limits() == built
+
+    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
+    monkeypatch.setitem(_group._groups, "ep", _group.Group(4242, "ep", 2, 1, {}, [0], 1, {}))
+
+    def dispatch(topk, num_experts):
+        def body(x, idx, w):
+            return jax_ep.dispatch(x, idx, w, num_experts=num_experts, axis_name="ep", backend="cuda").x
+
+        args = (
+            jax.ShapeDtypeStruct((4, 16), jnp.float32),
+            jax.ShapeDtypeStruct((4, topk), jnp.int32),
+            jax.ShapeDtypeStruct((4, topk), jnp.float32),
+        )
+        with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+            return jax.eval_shape(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")), *args)
+
+    top, experts = built["max_topk"], built["max_experts"]
+    assert dispatch(top, experts).shape[-1] == 16
+    refused = f"num_experts must be at most {experts} for backend 'cuda', got {experts + 2}"
+    with pytest.raises(ValueError, match=refused):
+        dispatch(1, experts + 2)
