@@ -4,6 +4,8 @@ custom calls on backend cuda, on one GPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,8 +151,17 @@ def test_cuda_recomputes_only_what_the_policy_leaves_unsaved():
         jax_ep.finalize()
 
 
-@pytest.mark.parametrize("wire_dtype", [None, jnp.float8_e4m3fn], ids=["x_dtype", "fp8"])
-@pytest.mark.parametrize("layout", ["ragged", "expert"])
+@pytest.mark.parametrize(
+    "layout, wire_dtype",
+    # The default tier takes each layout and each wire dtype once; the slow tier the other two pairs.
+    [
+        ("ragged", None),
+        ("expert", jnp.float8_e4m3fn),
+        pytest.param("ragged", jnp.float8_e4m3fn, marks=pytest.mark.slow),
+        pytest.param("expert", None, marks=pytest.mark.slow),
+    ],
+    ids=["ragged-x_dtype", "expert-fp8", "ragged-fp8", "expert-x_dtype"],
+)
 def test_separate_transfer_equals_fused_dispatch(layout, wire_dtype):
     """transfer="separate" gives the fused dispatch's outputs: the rows where slots are held, everything else."""
     x, idx, w, _ = (a.reshape(4, -1, *a.shape[1:]) for a in _inputs(4, seed=1))
@@ -192,23 +203,26 @@ def test_transfer_is_checked():
         start(x, idx, w)
 
 
-@pytest.mark.parametrize("remat", ["full", "handle", "rows"])
-def test_moe_remat_gives_the_same_gradients(remat):
+@functools.cache
+def _moe_grads(remat: str | None) -> list[np.ndarray]:
+    """Gradients of a loss of jax_ep.nn.MoE w.r.t. its parameters and x, with ``remat`` (None: no checkpoint);
+    each computed once for the tests below."""
     mesh = cpu_mesh((4,), ("ep",))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4 * T, H)).astype(np.float32))
+    layer = jax_ep.nn.MoE(H, 64, num_experts=E, topk=K, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
 
-    def grads(remat):
-        layer = jax_ep.nn.MoE(H, 64, num_experts=E, topk=K, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
-        graphdef, params = nnx.split(layer)
+    def loss(params, x):
+        out = nnx.merge(graphdef, params)(x)
+        return jnp.sum(out.out**2) + out.aux_loss
 
-        def loss(params, x):
-            out = nnx.merge(graphdef, params)(x)
-            return jnp.sum(out.out**2) + out.aux_loss
+    return [np.asarray(g) for g in jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x))]
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
 
-    for got, want in zip(jax.tree.leaves(grads(remat)), jax.tree.leaves(grads(None)), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+@pytest.mark.parametrize("remat", ["full", "handle", "rows"])
+def test_moe_remat_gives_the_same_gradients(remat):
+    for got, want in zip(_moe_grads(remat), _moe_grads(None), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_moe_remat_is_checked():
