@@ -105,7 +105,7 @@ def test_xla_recomputes_only_what_the_policy_leaves_unsaved():
     """On xla a dispatch is a routing (count and metadata exchanges) and a transfer (one all-to-all). With the
     handle saved and transfer="separate", the recompute is the transfer alone; with the rows saved too, nothing.
     A fused dispatch cannot recompute its rows apart from its routing."""
-    mesh = cpu_mesh((4,), ("ep",))
+    mesh = cpu_mesh((2,), ("ep",))
     whole = _exchanges_of_a_dispatch(mesh)
     assert whole > 1
     a2a = ALL_TO_ALL
@@ -207,7 +207,7 @@ def test_transfer_is_checked():
 def _moe_grads(remat: str | None) -> list[np.ndarray]:
     """Gradients of a loss of jax_ep.nn.MoE w.r.t. its parameters and x, with ``remat`` (None: no checkpoint);
     each computed once for the tests below."""
-    mesh = cpu_mesh((4,), ("ep",))
+    mesh = cpu_mesh((2,), ("ep",))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4 * T, H)).astype(np.float32))
     layer = jax_ep.nn.MoE(H, 64, num_experts=E, topk=K, mesh=mesh, remat=remat, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(layer)
