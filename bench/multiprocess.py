@@ -17,10 +17,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with this checkout last on PYTHONPATH, for a child started as ``python -m bench.…``, ``tools.…`` or
+    ``tests.…`` from any folder. It imports jax_ep as its parent would from the same folder: an installed build put
+    first on PYTHONPATH (bench/device_run_one_gpu.sh) stays first."""
+    paths = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return {**env, "PYTHONPATH": os.pathsep.join([*paths, str(ROOT)])}
 
 
 def run_workers(
@@ -32,20 +40,20 @@ def run_workers(
 ) -> list[int] | None:
     """Runs ``command(port, i)`` for i < count, with a free localhost port for jax.distributed's coordinator.
 
-    The workers run in the checkout's root (so that ``python -m bench.…``, ``tools.…`` and ``tests.…`` import),
-    with NVLink multicast off and without GPU memory preallocation (they share the GPUs), plus ``env``. Worker i
-    writes to ``logs[i]`` when given (a file, so a full pipe cannot stall it), else to our output. Returns the exit
-    codes, or None once ``timeout`` seconds pass (then every worker is killed).
+    The workers find this checkout on PYTHONPATH (:func:`checkout_env`) and run with NVLink multicast off and
+    without GPU memory preallocation (they share the GPUs), plus ``env``. Worker i writes to ``logs[i]`` when given
+    (a file, so a full pipe cannot stall it), else to our output. Returns the exit codes, or None once ``timeout``
+    seconds pass (then every worker is killed).
     """
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    env = checkout_env({**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})})
     workers = []
     for i in range(count):
         with open(logs[i], "w") if logs else contextlib.nullcontext() as sink:
             stderr = subprocess.STDOUT if logs else None
-            workers.append(subprocess.Popen(command(port, i), cwd=ROOT, env=env, stdout=sink, stderr=stderr))
+            workers.append(subprocess.Popen(command(port, i), env=env, stdout=sink, stderr=stderr))
     deadline = time.monotonic() + timeout
     try:
         return [worker.wait(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]

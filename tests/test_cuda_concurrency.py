@@ -49,6 +49,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bench.multiprocess import checkout_env
 from tests.gpu import gpu_devices, require_cuda
 
 pytestmark = [*require_cuda(min_gpus=2), pytest.mark.slow]
@@ -253,8 +254,7 @@ def _run_worker(mesh_name: str, log: Path, flags: str) -> tuple[int | None, str]
         str(max(10.0, TIMEOUT_S - 20)),
     ]
     with open(log, "w") as sink:
-        root = Path(__file__).resolve().parents[1]
-        worker = subprocess.Popen(command, cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(command, env=checkout_env(env), stdout=sink, stderr=subprocess.STDOUT)
         try:
             code = worker.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
