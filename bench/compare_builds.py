@@ -1,15 +1,16 @@
 """Time backend "cuda" of several builds of jax_ep in one run, each build in a fresh process, rounds interleaved.
 
-    python bench/compare_builds.py OUT.json NAME=SITE [NAME=SITE ...] [--tokens 4096,8192] [--rounds 2] [--xla NAME]
+    python -m bench.compare_builds OUT.json NAME=SITE [NAME=SITE ...] [--tokens 4096,8192] [--rounds 2] [--xla NAME]
 
 SITE is a folder holding one build's jax_ep package with its extension (``pip install --target SITE SOURCE``).
-Every build times the same shapes on the same GPUs (the first two: the EP group) with its own version's
-benchmark method (``time_backend`` of ``jax_ep.bench.timing``, or of ``jax_ep.bench.__main__`` in builds made
-before that module existed): dispatch and combine. Rounds run the builds in turn (A B C A B C), so drift between
-rounds shows as the spread of one build's numbers; ``--xla NAME`` also times backend "xla" in NAME's first
-process. ``--platform cpu`` is a dry run: backend "xla" only, on up to two CPU devices.
-A build installed with --target finds libnccl.so.2 only through LD_LIBRARY_PATH (its rpath points into SITE);
-bench/device_run_one_gpu.sh sets it.
+Every build times the same shapes on the same GPUs (the first two: the EP group) with this checkout's benchmark
+method (``time_backend`` of ``bench/timing.py``, through jax_ep's public API): dispatch and combine. Rounds run
+the builds in turn (A B C A B C), so drift between rounds shows as the spread of one build's numbers; ``--xla NAME``
+also times backend "xla" in NAME's first process. ``--platform cpu`` is a dry run: backend "xla" only, on up to two
+CPU devices.
+Each build's process runs in SITE with SITE and this checkout on PYTHONPATH, in that order: jax_ep comes from
+SITE, bench/ from the checkout. A build installed with --target finds libnccl.so.2 only through LD_LIBRARY_PATH
+(its rpath points into SITE); bench/device_run_one_gpu.sh sets it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 MARK = "compare_builds result: "
 
 
@@ -32,10 +34,7 @@ def child(site: str, tokens: list[int], hidden: int, backends: list[str], iters:
 
     if not Path(jax_ep.__file__).resolve().is_relative_to(Path(site).resolve()):
         raise SystemExit(f"jax_ep was imported from {jax_ep.__file__}, not from {site}")
-    try:
-        from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, time_backend
-    except ImportError:  # a build from before jax_ep.bench.timing
-        from jax_ep.bench.__main__ import EXPERTS, TOPK, make_inputs, time_backend
+    from bench.timing import EXPERTS, TOPK, make_inputs, time_backend
 
     devices = jax.devices(platform)[:2]
     ranks = len(devices)
@@ -81,27 +80,37 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name, site in builds.items():
             xla = "yes" if name == args.xla and round_index == 0 else "no"
-            command = [sys.executable, __file__, "unused", "unused", "--child", site, "--tokens", args.tokens]
+            command = [
+                sys.executable,
+                "-m",
+                "bench.compare_builds",
+                "unused",
+                "unused",
+                "--child",
+                site,
+                "--tokens",
+                args.tokens,
+            ]
             command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--xla", xla]
             command += ["--platform", args.platform]
             print(f"round {round_index}, build {name}", flush=True)
-            done = subprocess.run(command, env={**env, "PYTHONPATH": site}, capture_output=True, text=True)
+            child_env = {**env, "PYTHONPATH": os.pathsep.join((site, str(ROOT)))}
+            done = subprocess.run(command, cwd=site, env=child_env, capture_output=True, text=True)
             sys.stderr.write(done.stderr[-3000:])
             lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
             if done.returncode != 0 or not lines:
                 raise SystemExit(f"build {name} failed (exit {done.returncode})")
             runs[name].append(json.loads(lines[-1][len(MARK) :]))
 
-    sys.path.insert(0, builds[next(iter(builds))])  # provenance from the first build's jax_ep
-    from jax_ep.bench.record import provenance, write
+    from bench.record import provenance, write
 
     payload = {
-        **provenance("python bench/compare_builds.py " + " ".join(sys.argv[1:])),
+        **provenance("python -m bench.compare_builds " + " ".join(sys.argv[1:])),
         "builds": builds,
         "hidden": args.hidden,
         "tokens": tokens,
         "platform": args.platform,
-        "timing": "time_backend (jax_ep.bench.timing) of each build; one entry per round",
+        "timing": "time_backend (bench.timing) of each build; one entry per round",
         "runs": runs,
     }
     write(args.out, payload)

@@ -3,7 +3,7 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh                # the suite (same as: bash bench/device_run.sh suite)
 #   SUITE_GPUS=8 bash bench/device_run.sh plan                   # the plan for 8 GPUs, each step's limit; runs nothing
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh tests           # every GPU test file in full, nothing else
-#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [ARGS]    # python -m jax_ep.bench ARGS (default: --suite
+#   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [ARGS]    # python -m bench.exchange ARGS (default: --suite
 #                                                                # training --no-ragged), NCCL, P2P off, and
 #                                                                # bench/multiprocess.py (1 process/GPU)
 # The suite builds the extension (pip install -e .), then runs these steps in order, each under `timeout` (SIGINT,
@@ -24,7 +24,7 @@
 #   fuzz_r2/r4/r8     R GPUs of one process (--ranks R), R <= GPUs. fuzz.py has no process-per-GPU mode: its
 #                     --processes puts every process on GPU 0; one process per GPU is covered by the tests step.
 #   concurrency       tests/test_cuda_concurrency.py on the meshes of all GPUs (ep2; ep4 + dp2xep2; ep8 + dp2xep4)
-#   bench             python -m jax_ep.bench --suite training --no-ragged: cuda and xla against the peer copy (none
+#   bench             python -m bench.exchange --suite training --no-ragged: cuda and xla against the peer copy (none
 #                     on one GPU)
 #   sm_budget         bench/sm_budget.py: the training-size dispatch and combine at R=1 on GPU 0 with the default SM
 #                     budget of a group of several GPUs against every SM
@@ -73,7 +73,7 @@ if [ "$mode" = tests ]; then
     echo "NCCL smoke test failed"
     exit 1
   fi
-  timeout -s INT -k 10 420 python3 bench/gpu_tests.py "$OUT/gpu_tests.json" tests/test_cuda_*.py 2>&1 \
+  timeout -s INT -k 10 420 python3 -m bench.gpu_tests "$OUT/gpu_tests.json" tests/test_cuda_*.py 2>&1 \
     | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests.log"
   exit 0
@@ -81,19 +81,19 @@ fi
 if [ "$mode" = bench ]; then
   bench_args=("$@")
   [ ${#bench_args[@]} -eq 0 ] && bench_args=(--suite training --no-ragged)
-  bench() {  # LIMIT PROGRAM OUT ARGS...: PROGRAM is "-m jax_ep.bench" or a script; each result names this script
+  bench() {  # LIMIT PROGRAM OUT ARGS...: PROGRAM is "-m bench.<module>"; each result names this script
     # and the exact benchmark command it ran
     local limit=$1 program=$2 out=$3
     shift 3
-    # shellcheck disable=SC2086  # PROGRAM may be two words
+    # shellcheck disable=SC2086  # PROGRAM is two words
     JAX_EP_COMMAND="bash bench/device_run.sh bench: python $program OUT/$out $*" \
       timeout "$limit" python3 $program "$OUT/$out" "$@" 2>&1 | quiet
   }
-  bench 300 "-m jax_ep.bench" bench.json "${bench_args[@]}"
-  bench 120 "-m jax_ep.bench" bench_transport_nccl.json --suite training --no-ragged --transport nccl
-  bench 120 "-m jax_ep.bench" bench_p2p_off.json --suite training --no-ragged --p2p-off
-  bench 120 bench/multiprocess.py multiprocess.json --timeout 110
-  bench 120 bench/multiprocess.py multiprocess_p2p_off.json --timeout 110 --p2p-off
+  bench 300 "-m bench.exchange" bench.json "${bench_args[@]}"
+  bench 120 "-m bench.exchange" bench_transport_nccl.json --suite training --no-ragged --transport nccl
+  bench 120 "-m bench.exchange" bench_p2p_off.json --suite training --no-ragged --p2p-off
+  bench 120 "-m bench.multiprocess" multiprocess.json --timeout 110
+  bench 120 "-m bench.multiprocess" multiprocess_p2p_off.json --timeout 110 --p2p-off
   exit 0
 fi
 if [ "$mode" != suite ] && [ "$mode" != plan ]; then
@@ -211,7 +211,7 @@ pack() { tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null; }
 record() {  # NAME RC SECONDS LIMIT RESULT [SKIP REASON]
   local skip=()
   [ $# -ge 6 ] && skip=(--skip "$6")
-  python3 bench/suite_report.py step "$STEPS_FILE" "$1" "$2" "$3" "$4" "$LOGS/$1.log" ${5:+--json "$5"} \
+  python3 -m bench.suite_report step "$STEPS_FILE" "$1" "$2" "$3" "$4" "$LOGS/$1.log" ${5:+--json "$5"} \
     "${skip[@]}" 2>&1 | tee -a "$SUITE_LOG"
 }
 run_step() {  # NAME LIMIT RESULT COMMAND...: COMMAND under `timeout`, its output into logs/NAME.log
@@ -283,42 +283,42 @@ for i in "${!PLAN_NAME[@]}"; do
         echo; nvidia-smi nvlink --status || true
         echo; echo "nvidia-smi lists $(nvidia-smi -L | grep -c ^GPU) GPU(s)"' ;;
     p2p)
-      run_step p2p "$limit" "$result" python3 bench/p2p_matrix.py "$result" ;;
+      run_step p2p "$limit" "$result" python3 -m bench.p2p_matrix "$result" ;;
     tests)
       if [ "$GPUS" -le 1 ] || [ "${SUITE_TESTS:-}" = all ]; then
         files=()
         for f in tests/test_cuda_*.py; do
           [ "$f" = tests/test_cuda_backend.py ] || files+=("$f")
         done
-        run_step tests "$limit" "$result" python3 bench/gpu_tests.py "$result" "${files[@]}"
+        run_step tests "$limit" "$result" python3 -m bench.gpu_tests "$result" "${files[@]}"
       else
-        run_step tests "$limit" "$result" python3 bench/gpu_tests.py "$result" tests/test_cuda_multiprocess.py \
+        run_step tests "$limit" "$result" python3 -m bench.gpu_tests "$result" tests/test_cuda_multiprocess.py \
           -k "one_process_per_gpu or never_arrives"
       fi ;;
     tests_backend)
-      run_step tests_backend "$limit" "$result" python3 bench/gpu_tests.py "$result" tests/test_cuda_backend.py \
+      run_step tests_backend "$limit" "$result" python3 -m bench.gpu_tests "$result" tests/test_cuda_backend.py \
         ${backend_k:+-k "$backend_k"} ;;
     fuzz_r*)
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
       budget=$((limit - overhead < 5 ? 5 : limit - overhead))
-      run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda --ranks "$ranks" \
+      run_step "$name" "$limit" "$result" python3 -m tools.fuzz --platform gpu --backend cuda --ranks "$ranks" \
         --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     fuzz_shared*)
       processes=${name#fuzz_shared}
       processes=${processes:-2}
       budget=$((limit - 10 - 5 * processes < 5 ? 5 : limit - 10 - 5 * processes))  # starting the processes
-      run_step "$name" "$limit" "$result" python3 tools/fuzz.py --platform gpu --backend cuda \
+      run_step "$name" "$limit" "$result" python3 -m tools.fuzz --platform gpu --backend cuda \
         --processes "$processes" --seed "$seed" --cases 1000000 --budget-s "$budget" --progress 15 --out "$result" ;;
     concurrency)
       meshes=$([ "$largest" -ge 4 ] && echo 2 || echo 1)
       each=$(((limit - 20) / meshes))
       JAX_EP_CONCURRENCY_TIMEOUT_S=$((each < 90 ? 90 : each)) run_step concurrency "$limit" "$result" \
-        python3 bench/gpu_tests.py "$result" tests/test_cuda_concurrency.py -k "$concurrency_k" ;;
+        python3 -m bench.gpu_tests "$result" tests/test_cuda_concurrency.py -k "$concurrency_k" ;;
     bench)
-      run_step bench "$limit" "$result" python3 -m jax_ep.bench "$result" --suite training --no-ragged --iters 20 ;;
+      run_step bench "$limit" "$result" python3 -m bench.exchange "$result" --suite training --no-ragged --iters 20 ;;
     sm_budget)
-      run_step sm_budget "$limit" "$result" python3 bench/sm_budget.py "$result" ;;
+      run_step sm_budget "$limit" "$result" python3 -m bench.sm_budget "$result" ;;
     incast)
       run_step incast "$limit" "" python3 -c 'import json, sys
 shape = json.load(open(sys.argv[1]))["training"]["cuda"]
@@ -326,14 +326,14 @@ ratio = shape["combine_us"] / shape["dispatch_us"]
 print(f"combine {shape[\"combine_us\"]:.1f} us / dispatch {shape[\"dispatch_us\"]:.1f} us = {ratio:.2f}")
 sys.exit(0 if ratio <= 1.3 else 1)' "$LOGS/bench.json" ;;
     ragged_one_shot)
-      run_step ragged_one_shot "$limit" "$result" python3 -m jax_ep.bench "$result" --ragged-flag true \
+      run_step ragged_one_shot "$limit" "$result" python3 -m bench.exchange "$result" --ragged-flag true \
         --ragged-tokens 4096 --hidden 7168 ;;
     *)
       record "$name" 0 0 0 "" "no command for this step (bench/device_run.sh)" ;;
   esac
 done
 
-python3 bench/suite_report.py finish "$STEPS_FILE" "$OUT/suite.json" --gpus "$GPUS" --command "$JAX_EP_COMMAND" \
+python3 -m bench.suite_report finish "$STEPS_FILE" "$OUT/suite.json" --gpus "$GPUS" --command "$JAX_EP_COMMAND" \
   --wall "$SECONDS" --deadline "$DEADLINE" 2>&1 | tee -a "$SUITE_LOG"
 status=${PIPESTATUS[0]}
 pack

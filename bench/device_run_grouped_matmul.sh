@@ -31,23 +31,23 @@ step() {  # NAME SECONDS COMMAND...
   echo "[${SECONDS} s] $name: exit $rc"
 }
 export PYTHONPATH=$repo
-[ "${TESTS:-1}" = 0 ] || step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python bench/gpu_tests.py \
+[ "${TESTS:-1}" = 0 ] || step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python -m bench.gpu_tests \
 OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_grouped_mlp.py tests/test_row_copies.py\
-${TESTS_K:+ -k '$TESTS_K'}" python3 "$repo/bench/gpu_tests.py" "$OUT/grouped_matmul_tests.json" \
+${TESTS_K:+ -k '$TESTS_K'}" python3 -m bench.gpu_tests "$OUT/grouped_matmul_tests.json" \
   "$repo/tests/test_grouped_matmul.py" "$repo/tests/test_grouped_mlp.py" "$repo/tests/test_row_copies.py" \
   ${TESTS_K:+-k "$TESTS_K"}
 if [ "${SWEEP:-0}" = 1 ]; then
-  step grouped_matmul_sweep 120 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul_sweep.json \
---sweep --budget-s 80 --iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul_sweep.json" \
+  step grouped_matmul_sweep 120 env JAX_EP_COMMAND="python -m bench.grouped_matmul OUT/grouped_matmul_sweep.json \
+--sweep --budget-s 80 --iters 10" python3 -m bench.grouped_matmul "$OUT/grouped_matmul_sweep.json" \
     --sweep --budget-s 80 --iters 10
 fi
-[ "${LAYER:-0}" = 1 ] || step grouped_matmul 200 env JAX_EP_COMMAND="python bench/grouped_matmul.py OUT/grouped_matmul.json --no-ragged-dot \
---iters 10" python3 "$repo/bench/grouped_matmul.py" "$OUT/grouped_matmul.json" --no-ragged-dot --iters 10
+[ "${LAYER:-0}" = 1 ] || step grouped_matmul 200 env JAX_EP_COMMAND="python -m bench.grouped_matmul OUT/grouped_matmul.json --no-ragged-dot \
+--iters 10" python3 -m bench.grouped_matmul "$OUT/grouped_matmul.json" --no-ragged-dot --iters 10
 
 wait $build
 backend=xla
 if [ "$(cat "$OUT/build.rc")" = 0 ]; then
-  export PYTHONPATH=/tmp/jax_ep_site
+  export PYTHONPATH=/tmp/jax_ep_site:$repo  # the build's jax_ep first; bench/ and tests/ from the checkout
   LD_LIBRARY_PATH="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')/lib:${LD_LIBRARY_PATH:-}"
   export LD_LIBRARY_PATH
   backend=cuda
@@ -57,17 +57,17 @@ else
 fi
 if [ "${LAYER:-0}" = 1 ]; then
   export PYTHONPATH=$PYTHONPATH:${WHEELS:-}  # WHEELS: where tokamax and its dependencies are installed
-  step moe_layer_baselines 260 env JAX_EP_COMMAND="pip install '.[bench]'; python bench/moe_layer_baselines.py \
-OUT/moe_layer_baselines.json --iters 5 --ablate" python3 "$repo/bench/moe_layer_baselines.py" \
+  step moe_layer_baselines 260 env JAX_EP_COMMAND="pip install '.[bench]'; python -m bench.moe_layer_baselines \
+OUT/moe_layer_baselines.json --iters 5 --ablate" python3 -m bench.moe_layer_baselines \
     "$OUT/moe_layer_baselines.json" --iters 5 --ablate
   for e in 256 32; do
-    step "moe_layer_e$e" 70 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer_e$e.json --backend \
-$backend --experts $e --shared 0 --steps 3" python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer_e$e.json" \
+    step "moe_layer_e$e" 70 env JAX_EP_COMMAND="python -m bench.moe_layer_profile OUT/moe_layer_e$e.json --backend \
+$backend --experts $e --shared 0 --steps 3" python3 -m bench.moe_layer_profile "$OUT/moe_layer_e$e.json" \
       --backend "$backend" --experts "$e" --shared 0 --steps 3
   done
 else
-  step moe_layer 160 env JAX_EP_COMMAND="python bench/moe_layer_profile.py OUT/moe_layer.json --backend $backend" \
-    python3 "$repo/bench/moe_layer_profile.py" "$OUT/moe_layer.json" --backend "$backend"
+  step moe_layer 160 env JAX_EP_COMMAND="python -m bench.moe_layer_profile OUT/moe_layer.json --backend $backend" \
+    python3 -m bench.moe_layer_profile "$OUT/moe_layer.json" --backend "$backend"
 fi
 
 echo

@@ -67,13 +67,14 @@ for pid in "${pids[@]}"; do
 done
 echo "built: ${names[*]}"
 
-cd /tmp || exit 1  # not the repository root, whose jax_ep/ has no extension
+cd /tmp || exit 1  # not the repository root, whose jax_ep/ has no extension: PYTHONPATH puts a build
+# first and the checkout after it, for bench/, tests/ and tools/
 gpu_test_files=()  # those of this tree (test_cuda_layout.py is gone in later versions)
 for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py test_division.py; do
   [ -f "$repo/tests/$name" ] && gpu_test_files+=("$repo/tests/$name")
 done
 if [ "$stage" = tests ]; then
-  PYTHONPATH="$builds/current" timeout 450 python3 "$repo/bench/gpu_tests.py" "$OUT/gpu_tests.json" \
+  PYTHONPATH="$builds/current:$repo" timeout 450 python3 -m bench.gpu_tests "$OUT/gpu_tests.json" \
     "${gpu_test_files[@]}" 2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
   exit 0
@@ -82,23 +83,23 @@ ncu_run() {  # tokens seconds [step]: every kernel of 3 calls of one step (defau
   # Nsight Compute, into /tmp/kernels_<tokens>[_<step>].csv
   local name=kernels_$1${3:+_$3}
   rm -f "/tmp/$name.csv"
-  PYTHONPATH="$builds/current" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-    --print-units base --log-file "/tmp/$name.csv" python3 "$repo/bench/profile_kernels.py" run --tokens "$1" \
+  PYTHONPATH="$builds/current:$repo" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    --print-units base --log-file "/tmp/$name.csv" python3 -m bench.profile_kernels run --tokens "$1" \
     --step "${3:-exchange}"
 }
 ncu_summary() {  # tokens [step]: the last call's kernels by op, into $OUT/kernels_<tokens>[_<step>].json
   local name=kernels_$1${2:+_$2}
-  PYTHONPATH="$builds/current" timeout 60 python3 "$repo/bench/profile_kernels.py" summarize \
+  PYTHONPATH="$builds/current:$repo" timeout 60 python3 -m bench.profile_kernels summarize \
     "/tmp/$name.csv" "$OUT/$name.json" --tokens "$1" --step "${2:-exchange}"
 }
 if [ "$stage" = sanitize ]; then  # the four compute-sanitizer tools over bench/sanitize.py's probe, one by one
   # initcheck with XLA's command buffers off: with them on it did not finish in 110 s at 0719102 (9 s off).
   for tool in memcheck racecheck synccheck initcheck; do
     flags=$([ "$tool" = initcheck ] && echo "--xla_gpu_enable_command_buffer=")
-    JAX_EP_COMMAND="XLA_FLAGS=$flags XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 python bench/sanitize.py \
+    JAX_EP_COMMAND="XLA_FLAGS=$flags XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 python -m bench.sanitize \
 OUT/sanitize_$tool.json --tools $tool --timeout 130" XLA_FLAGS=$flags XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 \
-      PYTHONPATH="$builds/current" timeout -k 10 145 \
-      python3 "$repo/bench/sanitize.py" "$OUT/sanitize_$tool.json" --tools "$tool" --timeout 130 2>&1 | tail -8
+      PYTHONPATH="$builds/current:$repo" timeout -k 10 145 \
+      python3 -m bench.sanitize "$OUT/sanitize_$tool.json" --tools "$tool" --timeout 130 2>&1 | tail -8
   done
   exit 0
 fi
@@ -149,7 +150,7 @@ if [ "$stage" = all ]; then
       *) echo "[${SECONDS} s] $name: exit $rc" | tee -a "$log" ;;
     esac
   }
-  export PYTHONPATH=$builds/current
+  export PYTHONPATH=$builds/current:$repo
   echo "[${SECONDS} s] built; commit ${JAX_EP_COMMIT:-unknown}; $(nvidia-smi --query-gpu=name --format=csv,noheader \
     2>/dev/null | head -1)" | tee "$log"
   test_names=()  # the layout tests belong to older versions
@@ -162,8 +163,8 @@ if [ "$stage" = all ]; then
     echo "[${SECONDS} s] GPU tests: skipped, no test file" | tee -a "$log"
   else
     step "GPU tests" "$(limit 240 $((10 + 2 * 85 + 160 + 15)))" env JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh \
-all: python bench/gpu_tests.py OUT/gpu_tests.json ${test_names[*]}" \
-      python3 "$repo/bench/gpu_tests.py" "$OUT/gpu_tests.json" "${test_names[@]/#/$repo/}"
+all: python -m bench.gpu_tests OUT/gpu_tests.json ${test_names[*]}" \
+      python3 -m bench.gpu_tests "$OUT/gpu_tests.json" "${test_names[@]/#/$repo/}"
   fi
   for tokens in 128 4096; do
     seconds=$(limit 60 $((25 + (tokens == 128 ? 85 : 0) + 160 + 15)))
@@ -177,18 +178,18 @@ all: python bench/gpu_tests.py OUT/gpu_tests.json ${test_names[*]}" \
     echo "[${SECONDS} s] ncu T=$tokens: exit $rc$([ "$rc" = 124 ] && echo ", stopped at its time limit")" \
       | tee -a "$log"
     JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh all: ncu --clock-control none --metrics \
-gpu__time_duration.sum --csv --print-units base python bench/profile_kernels.py run --tokens $tokens" \
+gpu__time_duration.sum --csv --print-units base python -m bench.profile_kernels run --tokens $tokens" \
       ncu_summary "$tokens" 2>&1 | grep -v -E "$noise" >> "$log"
   done
   step "targets" "$(limit 150 $((10 + 15)))" env \
-    JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh all: python bench/one_gpu_targets.py OUT/targets.json \
+    JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh all: python -m bench.one_gpu_targets OUT/targets.json \
 --tokens 128,4096" \
-    python3 "$repo/bench/one_gpu_targets.py" "$OUT/targets.json" --tokens 128,4096
+    python3 -m bench.one_gpu_targets "$OUT/targets.json" --tokens 128,4096
   echo "[${SECONDS} s] done" | tee -a "$log"
-  python3 "$repo/bench/one_gpu_targets.py" summarize "$OUT" 2>&1 | tee -a "$log"
+  python3 -m bench.one_gpu_targets summarize "$OUT" 2>&1 | tee -a "$log"
   exit 0
 fi
 pairs=()
 for name in "${names[@]}"; do pairs+=("$name=$builds/$name"); done
-timeout 560 python3 "$repo/bench/compare_builds.py" "$OUT/builds.json" "${pairs[@]}" "$@" 2>&1 | tee "$OUT/bench.log" \
+PYTHONPATH="$builds/current:$repo" timeout 560 python3 -m bench.compare_builds "$OUT/builds.json" "${pairs[@]}" "$@" 2>&1 | tee "$OUT/bench.log" \
   | grep -v -E "cuda_executor|Source Location|external/xla|^\s*@ 0x|^$"

@@ -1,10 +1,10 @@
 """What the split ops and FP8 dispatch cost on ONE GPU (an EP group of one GPU, mesh axis "ep"), in one run.
 
-    python bench/feature_costs.py OUT.json [--tokens 128,4096] [--backend cuda] [--iters 20]
-    python bench/feature_costs.py OUT.json --platform cpu --backend xla --hidden 256 --tokens 64   # a dry run
+    python -m bench.feature_costs OUT.json [--tokens 128,4096] [--backend cuda] [--iters 20]
+    python -m bench.feature_costs OUT.json --platform cpu --backend xla --hidden 256 --tokens 64   # a dry run
 
 Shapes: H=7168 (--hidden), K=8, E=256, bf16, ragged layout, uniform random routing with distinct experts per
-token (``jax_ep.bench.timing.make_inputs``). Device µs per call from ``jax_ep.bench.timing.seconds_per_call``
+token (``bench.timing.make_inputs``). Device µs per call from ``bench.timing.seconds_per_call``
 (jitted ``fori_loop``s, routing shifted every iteration). OUT.json holds, per T:
 
 * ``split``: ``dispatch + matmul`` against ``dispatch_start``, the matmul pinned after it and before
@@ -49,16 +49,20 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
 
     import jax_ep
-    from jax_ep.bench.record import provenance, write
-    from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs, progress, seconds_per_call, time_backend
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from split_steps import SHARED_INTERMEDIATE, combine_operands, combine_step, dispatch_step, shared_expert_weights
+    from bench.record import provenance, write
+    from bench.split_steps import (
+        SHARED_INTERMEDIATE,
+        combine_operands,
+        combine_step,
+        dispatch_step,
+        shared_expert_weights,
+    )
+    from bench.timing import EXPERTS, TOPK, make_inputs, progress, seconds_per_call, time_backend
 
     tokens_list = [int(v) for v in args.tokens.split(",") if v]
     device = jax.devices(args.platform)[0]
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
-    command = "python bench/feature_costs.py " + " ".join(argv)
+    command = "python -m bench.feature_costs " + " ".join(argv)
     payload = {
         **provenance(command),
         "platform": args.platform,

@@ -1,6 +1,6 @@
 """Run GPU test files and record each test's outcome as JSON with its provenance.
 
-python bench/gpu_tests.py OUT.json tests/test_cuda_backend.py [more pytest args]
+python -m bench.gpu_tests OUT.json tests/test_cuda_backend.py [more pytest args]
 
 OUT.json is rewritten after every test with ``"complete": false``, so a run cut short by a time limit still
 leaves the outcomes so far; once pytest returns it says ``"complete": true`` and pytest's exit code
@@ -58,7 +58,7 @@ class Recorder:
 
     def save(self, *, complete: bool, status: int | None = None) -> None:
         if self.info is None:  # first called after collection: the tests' conftest has set jax up
-            from jax_ep.bench.record import provenance
+            from bench.record import provenance
 
             self.info = provenance(self.command)
         payload = {**self.info, "complete": complete, "pytest_exit": status, "summary": self.summary()}

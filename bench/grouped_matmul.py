@@ -1,7 +1,7 @@
 """Time jax_ep.grouped_matmul (forward, dx, dw) against a dense batched einsum and jax.lax.ragged_dot.
 
-python bench/grouped_matmul.py OUT.json [--shapes M,K,N,G ...] [--iters 20]
-python bench/grouped_matmul.py OUT.json --sweep [--budget-s 120]   # tile sweep of the Mosaic kernels
+python -m bench.grouped_matmul OUT.json [--shapes M,K,N,G ...] [--iters 20]
+python -m bench.grouped_matmul OUT.json --sweep [--budget-s 120]   # tile sweep of the Mosaic kernels
 
 Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16, standard normal (w scaled by
 1/sqrt(K)). Group sizes: ``random``, the expert counts of M tokens routed uniformly at random to G experts

@@ -1,11 +1,11 @@
 """Nsight Compute metrics of jax_ep.grouped_matmul's kernels beside the dense einsum's (cuBLAS), on one GPU.
 
-    python bench/grouped_matmul_ncu.py run [--shape M,K,N,G]   # compiles, and fills JAX's compilation cache
+    python -m bench.grouped_matmul_ncu run [--shape M,K,N,G]   # compiles, and fills JAX's compilation cache
     ncu --query-metrics > QUERY.txt
     ncu --clock-control none --cache-control all --section LaunchStats \\
-        --metrics $(python bench/grouped_matmul_ncu.py metrics QUERY.txt) --csv --print-units base \\
-        --log-file K.csv python bench/grouped_matmul_ncu.py run [--shape M,K,N,G]
-    python bench/grouped_matmul_ncu.py summarize K.csv OUT.json [--shape M,K,N,G]
+        --metrics $(python -m bench.grouped_matmul_ncu metrics QUERY.txt) --csv --print-units base \\
+        --log-file K.csv python -m bench.grouped_matmul_ncu run [--shape M,K,N,G]
+    python -m bench.grouped_matmul_ncu summarize K.csv OUT.json [--shape M,K,N,G]
 
 ``run`` calls, once each and in this order, bench/grouped_matmul.py's ``fwd``, ``dx`` and ``dw`` (the custom
 VJP's ops with the path ``plan_for`` gives them, random group sizes) and the dense einsum of the same op, each
@@ -25,8 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_kernels import read_kernel_metrics  # noqa: E402
+from bench.profile_kernels import read_kernel_metrics
 
 MARKER = "cbrt"
 OPS = ("fwd", "dx", "dw")
@@ -78,8 +77,8 @@ def run(shape, cache_dir: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     import jax.numpy as jnp
     import numpy as np
-    from grouped_matmul import dense_args, dense_fns, gmm_fns, group_sizes, inputs
 
+    from bench.grouped_matmul import dense_args, dense_fns, gmm_fns, group_sizes, inputs
     from jax_ep.gmm import grouped_matmul as gm
 
     m, k, n, g = shape
@@ -128,11 +127,11 @@ def kernel_row(kernel: dict) -> dict:
 
 
 def summarize(csv_path: Path, out: Path, shape) -> int:
-    from jax_ep.bench.record import provenance, write
+    from bench.record import provenance, write
 
     m, k, n, g = shape
     payload = {
-        **provenance("python bench/grouped_matmul_ncu.py " + " ".join(sys.argv[1:])),
+        **provenance("python -m bench.grouped_matmul_ncu " + " ".join(sys.argv[1:])),
         "shape": {"M": m, "K": k, "N": n, "G": g, "dtype": "bfloat16", "group_sizes": "random"},
         "method": "Nsight Compute (--clock-control none --cache-control all), one call of each op after a marker",
         "metrics": METRICS,

@@ -1,6 +1,6 @@
 """The MoE layer's training step against its baselines, in one process on one GPU.
 
-python bench/moe_layer_baselines.py OUT.json [--experts 256 32] [--tokens 4096 --hidden 7168
+python -m bench.moe_layer_baselines OUT.json [--experts 256 32] [--tokens 4096 --hidden 7168
     --intermediate 2048 --topk 8] [--remat]
 
 Each row times one jitted step, the forward and backward pass w.r.t. x and every weight, in bfloat16 with
@@ -44,10 +44,8 @@ import jax_ep  # noqa: E402
 import jax_ep.gmm.mlp  # noqa: E402
 import jax_ep.gmm.padded  # noqa: E402
 import jax_ep.nn  # noqa: E402
-from jax_ep.bench.record import provenance, write  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grouped_matmul import time_call  # noqa: E402
+from bench.grouped_matmul import time_call  # noqa: E402
+from bench.record import provenance, write  # noqa: E402
 
 ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
 # --ablate's rows: (name, module, attribute, value while timed).
@@ -221,7 +219,7 @@ def main() -> None:
             row["tokamax_over_moe"] = times["sort_tokamax"] / times["moe"]
         rows.append(row)
     payload = {
-        **provenance("python bench/moe_layer_baselines.py " + " ".join(sys.argv[1:])),
+        **provenance("python -m bench.moe_layer_baselines " + " ".join(sys.argv[1:])),
         "backend": backend,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "shape": {"tokens": t, "hidden": h, "intermediate": f, "topk": k, "dtype": "bfloat16"},

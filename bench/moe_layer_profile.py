@@ -1,6 +1,6 @@
 """Profile one training step (forward + backward) of jax_ep.nn.MoE on one GPU, broken down by named scope.
 
-python bench/moe_layer_profile.py OUT.json [--tokens 4096 --hidden 7168 --intermediate 2048 --experts 256
+python -m bench.moe_layer_profile OUT.json [--tokens 4096 --hidden 7168 --intermediate 2048 --experts 256
     --topk 8 --shared 2048 --backend auto|cuda|xla --steps 5]
 
 The layer is DeepSeek-V3-like at one rank's size (defaults above): bf16 tokens and weights, gated SwiGLU

@@ -1,10 +1,10 @@
 """The training shape with one process per GPU (jax.distributed on localhost), next to one process for all GPUs.
 
-    python bench/multiprocess.py OUT.json [--tokens 4096 --hidden 7168] [--transport nccl] [--p2p-off]
+    python -m bench.multiprocess OUT.json [--tokens 4096 --hidden 7168] [--transport nccl] [--p2p-off]
 
 Starts one worker per GPU; each calls ``jax.distributed.initialize`` and ``jax_ep.initialize`` over the mesh
 of all processes' GPUs (buffers mapped by CUDA IPC), then times dispatch and combine of both backends as
-``python -m jax_ep.bench`` does. Worker 0 writes the JSON. --transport and --p2p-off are as there.
+``python -m bench.exchange`` does. Worker 0 writes the JSON. --transport and --p2p-off are as there.
 """
 
 from __future__ import annotations
@@ -17,8 +17,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with this checkout last on PYTHONPATH, for a child started as ``python -m bench.…``, ``tools.…`` or
+    ``tests.…`` from any folder. It imports jax_ep as its parent would from the same folder: an installed build put
+    first on PYTHONPATH (bench/device_run_one_gpu.sh) stays first."""
+    paths = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return {**env, "PYTHONPATH": os.pathsep.join([*paths, str(ROOT)])}
 
 
 def run_workers(
@@ -30,14 +40,15 @@ def run_workers(
 ) -> list[int] | None:
     """Runs ``command(port, i)`` for i < count, with a free localhost port for jax.distributed's coordinator.
 
-    The workers run with NVLink multicast off and without GPU memory preallocation (they share the GPUs),
-    plus ``env``. Worker i writes to ``logs[i]`` when given (a file, so a full pipe cannot stall it), else
-    to our output. Returns the exit codes, or None once ``timeout`` seconds pass (then every worker is killed).
+    The workers find this checkout on PYTHONPATH (:func:`checkout_env`) and run with NVLink multicast off and
+    without GPU memory preallocation (they share the GPUs), plus ``env``. Worker i writes to ``logs[i]`` when given
+    (a file, so a full pipe cannot stall it), else to our output. Returns the exit codes, or None once ``timeout``
+    seconds pass (then every worker is killed).
     """
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})}
+    env = checkout_env({**os.environ, "NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **(env or {})})
     workers = []
     for i in range(count):
         with open(logs[i], "w") if logs else contextlib.nullcontext() as sink:
@@ -55,16 +66,16 @@ def run_workers(
 def launch(args: argparse.Namespace) -> int:
     """Runs the workers and waits for them; returns the first nonzero exit code, or 0."""
     env = {
-        "JAX_EP_COMMAND": os.environ.get("JAX_EP_COMMAND") or "python bench/multiprocess.py " + " ".join(sys.argv[1:])
+        "JAX_EP_COMMAND": os.environ.get("JAX_EP_COMMAND") or "python -m bench.multiprocess " + " ".join(sys.argv[1:])
     }
-    command = [sys.executable, __file__, str(args.out), "--tokens", str(args.tokens)]
+    command = [sys.executable, "-m", "bench.multiprocess", str(args.out.resolve()), "--tokens", str(args.tokens)]
     command += ["--hidden", str(args.hidden), "--iters", str(args.iters), "--processes", str(args.processes)]
     command += ["--backends", args.backends, "--platform", args.platform, "--transport", args.transport]
     if args.p2p_off:
         env["NCCL_P2P_DISABLE"] = "1"
     codes = run_workers(lambda port, i: [*command, "--worker", f"{port},{i}"], args.processes, args.timeout, env)
     if codes is None:
-        print(f"bench/multiprocess.py: no result within {args.timeout} s", flush=True)
+        print(f"bench.multiprocess: no result within {args.timeout} s", flush=True)
         return 1
     return next((code for code in codes if code), 0)
 
@@ -88,11 +99,11 @@ def work(args: argparse.Namespace) -> None:
         local_device_ids=[process_id] if on_gpu else None,
     )
     import jax_ep
-    from jax_ep.bench.record import provenance
-    from jax_ep.bench.timing import (
+    from bench.copy_timing import peer_copy_seconds
+    from bench.record import provenance
+    from bench.timing import (
         EXPERTS,
         TOPK,
-        copy_seconds,
         make_inputs,
         progress,
         time_backend,
@@ -114,9 +125,9 @@ def work(args: argparse.Namespace) -> None:
     # GPUs 0 and 1 are visible to every worker (local_device_ids only picks JAX's device).
     copy_us = float("nan")
     if on_gpu and process_id == 0:
-        copy_us = copy_seconds(0, 1, remote, 20) * 1e6
+        copy_us = peer_copy_seconds(0, 1, remote, 20) * 1e6
     result = {
-        **provenance("python bench/multiprocess.py"),
+        **provenance("python -m bench.multiprocess"),
         "processes": ranks,
         "ranks": ranks,
         "cuda_kernel_sms": None if group is None else group.num_sms,
@@ -127,7 +138,7 @@ def work(args: argparse.Namespace) -> None:
         "experts": EXPERTS,
         "remote_bytes_per_rank": remote,
         "peer_copy_us": copy_us,
-        "timing": "as python -m jax_ep.bench with a fixed count of iters calls per loop, measured in process 0",
+        "timing": "as python -m bench.exchange with a fixed count of iters calls per loop, measured in process 0",
     }
     with jax.set_mesh(mesh):
         for backend in backends:
@@ -143,7 +154,7 @@ def work(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python bench/multiprocess.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.multiprocess", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)

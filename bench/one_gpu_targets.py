@@ -1,14 +1,14 @@
 """The targets of the cuda backend on ONE GPU (an EP group of one GPU, mesh axis "ep"), in one process and one run.
 
-    python bench/one_gpu_targets.py OUT.json [--tokens 128,4096] [--iters 50]
-    python bench/one_gpu_targets.py OUT.json --platform cpu [--hidden 256 --tokens 64,128]   # a dry run, backend xla
-    python bench/one_gpu_targets.py summarize DIR   # one table of DIR's gpu_tests.json, kernels_*.json, targets.json
+    python -m bench.one_gpu_targets OUT.json [--tokens 128,4096] [--iters 50]
+    python -m bench.one_gpu_targets OUT.json --platform cpu [--hidden 256 --tokens 64,128]   # a dry run, backend xla
+    python -m bench.one_gpu_targets summarize DIR   # one table of DIR's gpu_tests.json, kernels_*.json, targets.json
 
 Shapes: H=7168 (--hidden), K=8, E=256, bf16, ragged layout, capacity=None, uniform random routing with distinct
-experts per token (``jax_ep.bench.timing.make_inputs``: normal tokens, uniform weights). OUT.json holds:
+experts per token (``bench.timing.make_inputs``: normal tokens, uniform weights). OUT.json holds:
 
 * ``copy``: the GPU's device-to-device copy bandwidth, measured in this run: ``cudaMemcpyPeerAsync`` of 1 GiB from
-  the GPU to itself (``jax_ep.bench._copy_timing.peer_copy_seconds``), bandwidth = 2 * bytes / seconds (read +
+  the GPU to itself (``bench/copy_timing.py``'s ``peer_copy_seconds``), bandwidth = 2 * bytes / seconds (read +
   write), best of 5 measurements of 20 copies each; and its write-only bandwidth, ``cudaMemsetAsync`` of 1 GiB the
   same way (``fill``, bandwidth = bytes / seconds).
 * ``check``, ``checked``: on one set of inputs per T, before any timing: backend "cuda" against "xla": dispatch's
@@ -16,7 +16,7 @@ experts per token (``jax_ep.bench.timing.make_inputs``: normal tokens, uniform w
   the counts equal; combine (``weights=d.weights`` of row-dependent expert outputs) within one bf16 ulp; the loss and
   gradients of the training step within 1e-2 of the largest magnitude.
 * ``training`` (T=4096) and ``decode`` (T=128; any other T: ``tokens_T``): device µs of one dispatch and one
-  combine (``time_backend`` of ``jax_ep.bench.timing``: jitted ``fori_loop``, routing shifted every iteration;
+  combine (``time_backend`` of ``bench.timing``: jitted ``fori_loop``, routing shifted every iteration;
   the times include the loop's small XLA ops: shifting the routing, reading one row, making combine's weights
   loop-variant), and their HBM floors. Dispatch reads x once and writes the delivered rows and their weights:
   ``T*H*2 + D*H*2 + D*4`` bytes; combine reads the delivered rows and weights and writes the tokens:
@@ -74,7 +74,7 @@ def floors(tokens: int, hidden: int, delivered: int, bandwidth: float | None, fi
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python bench/one_gpu_targets.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.one_gpu_targets", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the JSON results")
     parser.add_argument("--tokens", default="128,4096", help="tokens per rank, a comma list")
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -95,19 +95,17 @@ def main(argv: list[str]) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep.bench import timing
-    from jax_ep.bench.record import provenance, write
-    from jax_ep.bench.timing import copy_seconds, fill_seconds, make_inputs, progress, seconds_per_call, time_backend
+    from bench import timing, training_step
+    from bench.copy_timing import fill_seconds, peer_copy_seconds
+    from bench.record import provenance, write
+    from bench.timing import make_inputs, progress, seconds_per_call, time_backend
     from jax_ep.ep import group as _group
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import training_step
 
     assert (TOPK, EXPERTS) == (timing.TOPK, timing.EXPERTS), "make_inputs routes to other shapes"
     on_gpu = args.platform == "gpu"
     device = jax.devices(args.platform)[0]
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
-    command = "python bench/one_gpu_targets.py " + " ".join(argv)
+    command = "python -m bench.one_gpu_targets " + " ".join(argv)
     payload = {
         **provenance(command),
         "script_command": command,
@@ -173,7 +171,7 @@ def main(argv: list[str]) -> int:
         if not use_cuda:
             return {"skipped": cuda_reason}
         ordinal = device.local_hardware_id
-        seconds = [copy_seconds(ordinal, ordinal, COPY_BYTES, COPY_ITERS) for _ in range(COPY_REPEATS)]
+        seconds = [peer_copy_seconds(ordinal, ordinal, COPY_BYTES, COPY_ITERS) for _ in range(COPY_REPEATS)]
         return {
             "method": f"cudaMemcpyPeerAsync of {COPY_BYTES} bytes from GPU {ordinal} to itself, mean of "
             f"{COPY_ITERS} copies by CUDA events, {COPY_REPEATS} times; bandwidth = 2 * bytes / best seconds",
@@ -462,7 +460,7 @@ def summarize(folder: Path) -> list[str]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["summarize"]:
         if len(sys.argv) != 3:
-            raise SystemExit("usage: python bench/one_gpu_targets.py summarize DIR")
+            raise SystemExit("usage: python -m bench.one_gpu_targets summarize DIR")
         print("\n".join(summarize(Path(sys.argv[2]))))
         sys.exit(0)
     sys.exit(main(sys.argv[1:]))

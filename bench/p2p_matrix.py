@@ -1,6 +1,6 @@
 """Which pairs of the visible GPUs reach each other by CUDA peer access, from the built extension.
 
-    python bench/p2p_matrix.py [OUT.json]
+    python -m bench.p2p_matrix [OUT.json]
 
 For every ordered pair (a, b) of the GPUs jax sees, ``jax_ep.ep.group.extension().can_access_peer(a, b)``
 (cudaDeviceCanAccessPeer, by CUDA ordinal): the fact ``jax_ep.initialize(transport="auto")`` decides peer stores

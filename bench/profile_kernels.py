@@ -1,8 +1,8 @@
 """Device time of every kernel of one dispatch and one combine (backend "cuda", an EP group of one GPU).
 
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base --log-file K.csv \\
-        python bench/profile_kernels.py run [--tokens 4096 --hidden 7168] [--step exchange]
-    python bench/profile_kernels.py summarize K.csv OUT.json [--tokens 4096 --hidden 7168] [--step exchange]
+        python -m bench.profile_kernels run [--tokens 4096 --hidden 7168] [--step exchange]
+    python -m bench.profile_kernels summarize K.csv OUT.json [--tokens 4096 --hidden 7168] [--step exchange]
 
 ``run`` calls one jitted dispatch + combine (ragged layout, capacity=None, weights=d.weights) three times, with a
 marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call. With ``--step``
@@ -60,7 +60,7 @@ def run(tokens: int, hidden: int, step_name: str = "exchange") -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep.bench.timing import EXPERTS, TOPK, make_inputs
+    from bench.timing import EXPERTS, TOPK, make_inputs
 
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
     group = jax_ep.initialize(mesh, "ep", num_tokens=tokens, hidden=hidden, topk=TOPK, num_experts=EXPERTS)
@@ -94,10 +94,8 @@ def _split_step(name: str, x, idx, w, hidden: int, backend: str = "cuda"):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.bench.timing import EXPERTS
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import split_steps
+    from bench import split_steps
+    from bench.timing import EXPERTS
 
     m = split_steps.shared_expert_weights(hidden)
     split = name.endswith("_split")
@@ -123,8 +121,7 @@ def _training_step(name: str, x, idx, w, tokens: int, hidden: int):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import training_step
+    from bench import training_step
 
     backend = "xla" if name == "training_xla" else "cuda"
     c = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, hidden)), jnp.float32)
@@ -257,10 +254,10 @@ def split_last_call(kernels: list[dict], step: str = "exchange") -> dict:
 
 
 def summarize(csv_path: Path, out: Path, tokens: int | None, hidden: int | None, step: str = "exchange") -> int:
-    from jax_ep.bench.record import provenance, write
+    from bench.record import provenance, write
 
     payload = {
-        **provenance("python bench/profile_kernels.py " + " ".join(sys.argv[1:])),
+        **provenance("python -m bench.profile_kernels " + " ".join(sys.argv[1:])),
         "tokens": tokens,
         "hidden": hidden,
         "step": step,

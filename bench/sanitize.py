@@ -1,7 +1,7 @@
 """compute-sanitizer over the cuda backend's kernels, on one GPU (an EP group of one GPU).
 
-    python bench/sanitize.py OUT.json [--tools memcheck,racecheck,synccheck,initcheck] [--timeout 120]
-    python bench/sanitize.py probe    # what each tool runs: every op and gradient on a few shapes
+    python -m bench.sanitize OUT.json [--tools memcheck,racecheck,synccheck,initcheck] [--timeout 120]
+    python -m bench.sanitize probe    # what each tool runs: every op and gradient on a few shapes
 
 The probe runs jitted dispatch -> combine and its gradients (which call all four kernels: routing, dispatch,
 combine, combine's backward), whole and through the split ops (each kernel's send and receive launches apart, and
@@ -116,7 +116,7 @@ def reports(output: str, most: int = 20) -> list[dict]:
 def run_tool(tool: str, timeout: float) -> dict:
     only_ours = [] if tool == "initcheck" else ["--kernel-name", "kns=jax_ep"]
     command = ["compute-sanitizer", "--tool", tool, *only_ours, "--print-limit", "1000000", "--error-exitcode", "17"]
-    command += [sys.executable, str(Path(__file__).resolve()), "probe"]
+    command += [sys.executable, "-m", "bench.sanitize", "probe"]
     start = time.time()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     results = {
-        "command": "python bench/sanitize.py OUT.json --tools " + args.tools,
+        "command": "python -m bench.sanitize OUT.json --tools " + args.tools,
         "commit": os.environ.get("JAX_EP_COMMIT", "unknown"),
         "cases": [dict(zip(("layout", "dtype", "hidden", "capacity", "alignment"), c, strict=True)) for c in CASES],
         "tools": {},

@@ -1,10 +1,10 @@
 """What the default SM budget of a group of several GPUs costs, measured where it can be: an EP group of ONE GPU.
 
-    python bench/sm_budget.py OUT.json [--tokens 4096] [--rounds 3]
+    python -m bench.sm_budget OUT.json [--tokens 4096] [--rounds 3]
 
 A group of several GPUs runs its transfer kernels on all but 32 SMs (at least half) unless ``initialize`` gets
 ``num_sms``; a group of one uses every SM. This times the training-size dispatch and combine (T=4096, H=7168, K=8,
-E=256, bf16, ragged layout, ``jax_ep.bench.timing.time_backend``) at R=1 with ``num_sms`` = that default and with
+E=256, bf16, ragged layout, ``bench.timing.time_backend``) at R=1 with ``num_sms`` = that default and with
 every SM, alternating ``--rounds`` times in one process, and records the median device µs of each, their ratio,
 and the HBM floor of each op (bench/one_gpu_targets.py's bytes over this run's device copy bandwidth).
 """
@@ -31,12 +31,11 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     import jax_ep
-    from jax_ep.bench import timing
-    from jax_ep.bench.record import provenance, write
+    from bench import timing
+    from bench.copy_timing import peer_copy_seconds
+    from bench.one_gpu_targets import floors
+    from bench.record import provenance, write
     from jax_ep.ep import group as _group
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from one_gpu_targets import floors
 
     device = jax.devices("gpu")[0]
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
@@ -45,7 +44,7 @@ def main(argv: list[str]) -> int:
     sizes = dict(num_tokens=args.tokens, hidden=timing.HIDDEN, topk=timing.TOPK, num_experts=timing.EXPERTS)
     x, idx, w, _ = timing.make_inputs(1, args.tokens, timing.HIDDEN)
     ordinal = device.local_hardware_id
-    copy = min(timing.copy_seconds(ordinal, ordinal, 1 << 30, 20) for _ in range(3))
+    copy = min(peer_copy_seconds(ordinal, ordinal, 1 << 30, 20) for _ in range(3))
     bandwidth = 2 * (1 << 30) / copy
     times = {name: {"dispatch": [], "combine": []} for name in budgets}
     used = {}
@@ -64,7 +63,7 @@ def main(argv: list[str]) -> int:
     delivered = int(np.sum(np.asarray(idx) >= 0))
     floor = floors(args.tokens, timing.HIDDEN, delivered, bandwidth)
     payload = {
-        **provenance("python bench/sm_budget.py " + " ".join(argv)),
+        **provenance("python -m bench.sm_budget " + " ".join(argv)),
         "device": str(device),
         "sms": sms,
         "shape": {**sizes, "dtype": "bfloat16", "layout": "ragged", "ranks": 1},

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench.timing import EXPERTS
+from bench.timing import EXPERTS
 
 SHARED_INTERMEDIATE = 2048
 

@@ -1,17 +1,17 @@
 """The bookkeeping of bench/device_run.sh's multi-GPU suite: each step's PASS/FAIL/SKIP, then suite.json and a table.
 
-    python bench/suite_report.py step STEPS.jsonl NAME RC SECONDS LIMIT LOG [--json RESULT] [--skip REASON]
-    python bench/suite_report.py finish STEPS.jsonl OUT/suite.json --gpus N --command CMD [--deadline S]
+    python -m bench.suite_report step STEPS.jsonl NAME RC SECONDS LIMIT LOG [--json RESULT] [--skip REASON]
+    python -m bench.suite_report finish STEPS.jsonl OUT/suite.json --gpus N --command CMD [--deadline S]
 
 ``step`` judges one step from its exit code (``timeout``'s 124 and 137: stopped at its limit; 77: skipped, the
 reason on the log's last ``SKIP:`` line), its log and its result file where it wrote one (bench/gpu_tests.py's
-outcomes, a tools/fuzz.py report, a jax_ep.bench result), appends the verdict to STEPS.jsonl as one JSON line and
+outcomes, a tools/fuzz.py report, a bench/exchange.py result), appends the verdict to STEPS.jsonl as one JSON line and
 prints it (``PASS name (12 s of 60): reason``). A test step whose every test skipped is a SKIP with pytest's reason;
 one stopped at its limit is a FAIL that says how far it got. ``--skip`` records a step the suite did not start.
 
 ``finish`` writes suite.json: each step (name, status, seconds, limit, reason, log, result file), the GPU count the
 suite planned for, the devices nvidia-smi lists, the commit (JAX_EP_COMMIT, else git's HEAD, marked so), the hash of
-the library's sources (jax_ep/bench/record.py's source_hash, read without importing jax), the command and the wall
+the library's sources (bench/record.py's source_hash, which imports no jax), the command and the wall
 time; then prints the table last. Its exit status is 1 when a step failed. Standard library only, so it reports
 even where jax or the build is broken.
 """
@@ -19,7 +19,6 @@ even where jax or the build is broken.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -98,12 +97,12 @@ def judge(rc: int, limit: int, log: Path, result: dict | None) -> tuple[str, str
         if rc != 0 or bad:
             seeds = [m["seed"] for m in result.get("mismatches", [])][:3]
             return "FAIL", summary + (
-                f"; replay: python tools/fuzz.py --replay {seeds[0]} (seeds {seeds})" if seeds else ""
+                f"; replay: python -m tools.fuzz --replay {seeds[0]} (seeds {seeds})" if seeds else ""
             )
         return ("PASS", summary) if cases else ("FAIL", "no case ran (no time after starting?)")
     if rc != 0:
         return "FAIL", f"exit {rc}: {_tail(log, 2)}"
-    if result is not None and "training" in result:  # python -m jax_ep.bench
+    if result is not None and "training" in result:  # python -m bench.exchange
         t = result["training"]
         cells = [f"peer copy {t['peer_copy_us']:.0f} us" if t.get("peer_copy_us") else "no peer copy (one GPU)"]
         for backend in ("cuda", "xla"):
@@ -172,12 +171,11 @@ def _commit() -> str:
 
 
 def _sources() -> str:
-    """record.py's source_hash of this checkout, loaded by path (importing jax_ep would import jax)."""
+    """bench/record.py's source_hash of this checkout (bench.record imports neither jax nor jax_ep)."""
     try:
-        spec = importlib.util.spec_from_file_location("_record", ROOT / "jax_ep" / "bench" / "record.py")
-        record = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(record)
-        return record.source_hash(ROOT) or "unknown"
+        from bench.record import source_hash
+
+        return source_hash(ROOT) or "unknown"
     except Exception as error:  # noqa: BLE001  (a report must still come out)
         return f"unknown ({error})"
 

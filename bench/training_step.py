@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ep
-from jax_ep.bench.timing import EXPERTS
+from bench.timing import EXPERTS
 
 
 def loss(backend: str):
@@ -41,7 +41,7 @@ def once(backend: str):
 
 
 def step(backend: str):
-    """``step(i, x, idx, w, scale, c)``: a loop step (``jax_ep.bench.timing.seconds_per_call``) that shifts the
+    """``step(i, x, idx, w, scale, c)``: a loop step (``bench.timing.seconds_per_call``) that shifts the
     routing by ``i`` and sums every gradient, so that neither pass is loop-invariant or dead code."""
     grads = once(backend)
 

@@ -1,9 +1,9 @@
 """The xla backend in the patterns consumers use, timed so that a regression shows (docs/performance.md).
 
-    python bench/xla_patterns.py OUT.json [--tokens 128,4096] [--hidden 7168] [--platform gpu|cpu]
+    python -m bench.xla_patterns OUT.json [--tokens 128,4096] [--hidden 7168] [--platform gpu|cpu]
 
 In an EP group of one device (mesh axis "ep"), backend "xla", K=8 of E=256, bf16, ragged layout, uniform routing
-shifted by the iteration index (``jax_ep.bench.timing``): device µs of one step of each pattern, from jitted
+shifted by the iteration index (``bench.timing``): device µs of one step of each pattern, from jitted
 ``fori_loop``s (``seconds_per_call``). Each step ends in a float32 scalar that reads the whole result:
 
 * ``dispatch_combine``: dispatch, then combine of the rows with ``weights=d.weights``;
@@ -34,8 +34,8 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
 
     import jax_ep
-    from jax_ep.bench import timing
-    from jax_ep.bench.record import provenance, write
+    from bench import timing
+    from bench.record import provenance, write
 
     E, K = timing.EXPERTS, timing.TOPK
     kw = dict(num_experts=E, axis_name="ep", backend="xla")
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     device = jax.devices(args.platform)[0]
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
     payload = {
-        **provenance("python bench/xla_patterns.py " + " ".join(argv)),
+        **provenance("python -m bench.xla_patterns " + " ".join(argv)),
         "device": str(device),
         "hidden": args.hidden,
         "topk": K,

@@ -1,10 +1,6 @@
-"""Eight simulated CPU devices, set before jax initializes, and mesh helpers; tools/ importable."""
+"""Eight simulated CPU devices, set before jax initializes, and mesh helpers."""
 
 import os
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # the maintainers' tools that tests drive
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):

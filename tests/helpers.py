@@ -13,10 +13,10 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from tests.conftest import cpu_mesh
 
 AXIS = "ep"
 INVALID_IDS = (-7, -2, 2**31 - 1, -(2**31))  # never -1 nor a valid id

@@ -1,6 +1,5 @@
 """The benchmark scripts end to end on CPU (xla backend, emulated ragged_all_to_all), and their parsers."""
 
-import importlib.util
 import json
 import os
 import re
@@ -14,26 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name: str):
-    """A module of bench/ (not a package), loaded from its file."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    command = [sys.executable, "-m", "jax_ep.bench", str(out), "--platform", "cpu", "--backends", "xla"]
+    command = [sys.executable, "-m", "bench.exchange", str(out), "--platform", "cpu", "--backends", "xla"]
     command += ["--tokens", "64", "--hidden", "128", "--sweep-tokens", "16,32", "--sweep-hidden", "64,128"]
     command += ["--iters", "2", "--decode-capacity", "4"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python -m jax_ep.bench")
+    assert result["command"].startswith("python -m bench.exchange")
     assert result["ranks"] == 2 and result["platform"] == "cpu"
     training = result["training"]["xla"]
     for key in ("dispatch_us", "combine_us", "dispatch_gbps"):
@@ -60,7 +51,7 @@ def test_bench_cpu_dry_run_writes_every_number_and_the_plot(tmp_path):
 
 def test_bench_defaults_follow_the_platform(monkeypatch):
     """A CPU dry run gets small shapes unless told otherwise; the GPU keeps the DeepSeek-like ones."""
-    from jax_ep.bench import __main__ as bench
+    from bench import exchange as bench
 
     monkeypatch.setattr(sys, "argv", ["bench", "out.json", "--platform", "cpu", "--hidden", "128"])
     args = bench.parse_args()
@@ -75,19 +66,51 @@ def test_multiprocess_bench_cpu_dry_run(tmp_path):
     """Two processes under jax.distributed run the same timing loops together (xla backend, gloo on CPU)."""
     out = tmp_path / "multiprocess.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    command = [sys.executable, str(ROOT / "bench" / "multiprocess.py"), str(out), "--platform", "cpu"]
+    command = [sys.executable, "-m", "bench.multiprocess", str(out), "--platform", "cpu"]
     command += ["--backends", "xla", "--tokens", "64", "--hidden", "128", "--iters", "20", "--timeout", "240"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and len(result["devices"]) == 2
-    assert result["command"].startswith("python bench/multiprocess.py")
+    assert result["command"].startswith("python -m bench.multiprocess")
     assert set(result["xla"]) >= {"dispatch_us", "combine_us", "dispatch_gbps", "combine_gbps"}
     assert "process 1, xla" in done.stdout and "process 0, xla" in done.stdout
 
 
+def test_the_performance_page_opens_with_the_table_and_plot_made_from_the_results(tmp_path, capsys):
+    """docs/performance.md's first table is the one bench/plot_performance.py makes from the committed results
+    files, line for line, and the page shows the plot, which the script draws from the same files."""
+    from bench import plot_performance
+
+    page = (ROOT / "docs" / "performance.md").read_text()
+    table = plot_performance.table()
+    assert "\n".join(table) in page
+    assert "|---" not in page[: page.index(table[0])], "the headline table must be the page's first"
+    assert "not yet measured" in table[-1] and "two or more GPUs" in table[-1]
+    assert "](performance.png)" in page and (ROOT / "docs" / "performance.png").stat().st_size > 20_000
+
+    assert plot_performance.main([str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "plot.png").stat().st_size > 20_000
+    assert capsys.readouterr().out.splitlines() == table
+
+
+def test_bench_results_holds_the_files_the_docs_cite():
+    """bench/results keeps only results files that a doc cites, at most 30; a doc that cites a file the tree no
+    longer holds says, on the same line, that it is in git history."""
+    pages = [ROOT / "README.md", ROOT / "BUILD.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages += [ROOT / "bench" / "README.md", ROOT / "tools" / "README.md"]
+    lines = [line for page in pages for line in page.read_text().splitlines()]
+    name = re.compile(r"\b\w+_h[12]00x\d\.json|\breliability_fuzz_cpu\.json")
+    cited = {found for line in lines for found in name.findall(line)}
+    held = {path.name for path in (ROOT / "bench" / "results").iterdir()}
+    assert len(held) <= 30 and held <= cited, f"not cited by any doc: {sorted(held - cited)}"
+    gone = [line for line in lines if any(f not in held for f in name.findall(line)) and "in git history" not in line]
+    assert gone == [], "cites a file that bench/results no longer holds"
+
+
 def test_speedups_are_per_suite_and_shape():
-    from jax_ep.bench.__main__ import speedups
+    from bench.exchange import speedups
 
     def timed(dispatch, combine):
         return {"dispatch_us": dispatch, "combine_us": combine}
@@ -103,12 +126,46 @@ def test_speedups_are_per_suite_and_shape():
     }
 
 
-def test_time_backend_passes_partial_dtype():
-    import inspect
+def test_time_backend_times_the_ops_it_is_asked_for(monkeypatch):
+    """time_backend's dispatch sends rows as ``wire_dtype`` and its combine sums in ``partial_dtype``, each passed
+    only when set (so that older builds' ops, without them, time with the same method), and it reports each step's
+    seconds per call as µs. The loops are traced, not timed (the CPU dry runs time them)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
 
-    from jax_ep.bench.timing import time_backend
+    import jax_ep
+    from bench import timing
 
-    assert inspect.signature(time_backend).parameters["partial_dtype"].default is None
+    calls = {"dispatch": [], "combine": []}
+    real = {op: getattr(jax_ep, op) for op in calls}
+
+    def spy(op):
+        def call(*args, **kwargs):
+            calls[op].append({k: kwargs[k] for k in ("wire_dtype", "partial_dtype") if k in kwargs})
+            return real[op](*args, **kwargs)
+
+        return call
+
+    def traced(step, args, iters, adaptive):
+        body = jax.shard_map(lambda *a: step(jnp.int32(1), *a)[None], in_specs=P("ep"), out_specs=P("ep"))
+        assert jax.eval_shape(body, *args).dtype == jnp.float32
+        return 2e-6
+
+    for op in calls:
+        monkeypatch.setattr(jax_ep, op, spy(op))
+    monkeypatch.setattr(timing, "seconds_per_call", traced)
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:1])
+    x, idx, w, _ = timing.make_inputs(1, 8, 128)
+    with jax.set_mesh(mesh):
+        timed = timing.time_backend("xla", x, idx, w, partial_dtype=jnp.float32)
+        assert timed == {"dispatch_us": pytest.approx(2.0), "combine_us": pytest.approx(2.0)}
+        assert calls["dispatch"] and all(kw == {} for kw in calls["dispatch"])
+        assert calls["combine"] and all(kw == {"partial_dtype": jnp.float32} for kw in calls["combine"])
+        calls["dispatch"].clear(), calls["combine"].clear()
+        timing.time_backend("xla", x, idx, w, wire_dtype=jnp.float8_e4m3fn)
+    assert calls["dispatch"] and all(kw == {"wire_dtype": jnp.float8_e4m3fn} for kw in calls["dispatch"])
+    assert calls["combine"] and all(kw == {} for kw in calls["combine"])
 
 
 def _ncu_csv(path: Path, calls: list[list[tuple]]) -> None:
@@ -132,7 +189,8 @@ COMBINE = "jax_ep::<unnamed>::CombineKernel<float>"
 
 
 def test_profile_summary_splits_the_last_call_by_kernel_name(tmp_path):
-    profile = _script("profile_kernels")
+    from bench import profile_kernels as profile
+
     assert profile.function_name(DISPATCH) == "DispatchKernel"
     assert profile.function_name(ROUTING) == "RoutingKernel"
     assert profile.function_name("loop_add_fusion") == "loop_add_fusion"
@@ -169,7 +227,8 @@ def test_profile_summary_splits_the_last_call_by_kernel_name(tmp_path):
 def test_profile_summary_of_training_steps(tmp_path):
     """A training step's kernels: combine's backward kernel is an op of its own; the xla step has no jax_ep kernel
     and is told apart by the marker alone."""
-    profile = _script("profile_kernels")
+    from bench import profile_kernels as profile
+
     backward = "void jax_ep::<unnamed>::CombineBackwardKernel<__nv_bfloat16>(jax_ep::BackwardParams, jax_ep::GroupView)"
     call = [(DISPATCH, 15.0), ("loop_convert_fusion", 11.0), (COMBINE, 11.0), (backward, 17.0), (COMBINE, 11.5)]
     _ncu_csv(tmp_path / "k.csv", [call, call, [("wrapped_cbrt", 0.5)], call])
@@ -188,7 +247,8 @@ def test_profile_summary_of_training_steps(tmp_path):
 
 
 def test_profile_summary_says_what_is_missing_instead_of_failing(tmp_path):
-    profile = _script("profile_kernels")
+    from bench import profile_kernels as profile
+
     _ncu_csv(tmp_path / "k.csv", [[(ROUTING, 5.0), ("fusion", 1.0), (DISPATCH, 9.0)]] * 2)
     profile.summarize(tmp_path / "k.csv", tmp_path / "k.json", 128, 7168)
     result = json.loads((tmp_path / "k.json").read_text())
@@ -216,8 +276,9 @@ def test_gpu_tests_records_every_outcome(tmp_path):
         "def broken(): raise RuntimeError('setup')\n"
         "def test_error(broken): pass\n"
     )
-    command = [sys.executable, str(ROOT / "bench" / "gpu_tests.py"), str(tmp_path / "out.json"), "test_sample.py"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "bench.gpu_tests", str(tmp_path / "out.json"), "test_sample.py"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # run from another folder, as on a GPU machine
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["complete"] and result["pytest_exit"] == 1 and "interrupted" not in result
@@ -225,7 +286,7 @@ def test_gpu_tests_records_every_outcome(tmp_path):
     outcomes = {case["test"].split("::")[-1]: case["outcome"] for case in result["tests"]}
     assert outcomes == {"test_ok": "passed", "test_bad": "failure", "test_skip": "skipped", "test_error": "error"}
     # run from another folder, as on a GPU machine: the hash is still the checkout's that holds the script
-    from jax_ep.bench.record import source_hash
+    from bench.record import source_hash
 
     assert result["sources"] == source_hash(ROOT)
 
@@ -233,7 +294,7 @@ def test_gpu_tests_records_every_outcome(tmp_path):
 def test_sources_hash_names_the_code_that_ran(tmp_path):
     """A copy of a commit's sources hashes like its checkout, whatever its git says; caches, built extensions and
     files outside the sources do not count; any change to a source file's content or name does."""
-    from jax_ep.bench.record import SOURCES, checkout_root, source_hash
+    from bench.record import SOURCES, checkout_root, source_hash
 
     repo, copy = tmp_path / "repo", tmp_path / "copy"
     for folder in (repo / "jax_ep", repo / "ffi" / "kernels", copy):
@@ -275,14 +336,14 @@ def test_sources_hash_names_the_code_that_ran(tmp_path):
 def test_one_gpu_targets_cpu_dry_run_and_the_device_summary(tmp_path, platform):
     out = tmp_path / "targets.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, str(ROOT / "bench" / "one_gpu_targets.py"), str(out), "--platform", platform]
+    command = [sys.executable, "-m", "bench.one_gpu_targets", str(out), "--platform", platform]
     command += ["--tokens", "32,128", "--hidden", "128", "--iters", "2"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     result = json.loads(out.read_text())
     assert result["complete"] and result["errors"] == [] and result["tokens"] == [128, 32]
-    assert result["script_command"].startswith("python bench/one_gpu_targets.py")
+    assert result["script_command"].startswith("python -m bench.one_gpu_targets")
     assert "skipped" in result["copy"] and result["cuda"]["used"] is False
     assert result["checked"] is False  # xla against itself checks nothing
     assert result["check"]["128"]["passed"] and result["check"]["32"]["dispatch_bitwise"]
@@ -296,18 +357,22 @@ def test_one_gpu_targets_cpu_dry_run_and_the_device_summary(tmp_path, platform):
     assert steps["128"]["xla_us"] > 0 and steps["32"]["xla_us"] > 0 and "skipped" in steps
     assert done.stdout.rstrip().splitlines()[-1].startswith("checked: false (xla against xla;")
 
-    profile = _script("profile_kernels")
+    from bench import profile_kernels as profile
+
     _ncu_csv(tmp_path / "k.csv", [[(ROUTING, 5.0), (DISPATCH, 9.0), (COMBINE, 4.0)]] * 3)
     profile.summarize(tmp_path / "k.csv", tmp_path / "kernels_128.json", 128, 7168)
     (tmp_path / "gpu_tests.json").write_text(json.dumps({"pytest_exit": 0, "summary": {"passed": 3}, "tests": []}))
-    lines = _script("one_gpu_targets").summarize(tmp_path)
+    from bench import one_gpu_targets
+
+    lines = one_gpu_targets.summarize(tmp_path)
     assert lines[0] == "GPU tests (complete, pytest exit 0): {'passed': 3}"
     assert lines[1].startswith("ncu T=128 dispatch: 2 kernels,     14.0 us")
     assert any(line.startswith("training step T=  128: xla") for line in lines)
 
 
 def test_floors_count_hbm_bytes():
-    targets = _script("one_gpu_targets")
+    from bench import one_gpu_targets as targets
+
     floors = targets.floors(4096, 7168, 4096 * 8, 4e12)
     row = 7168 * 2
     assert floors["dispatch_floor_bytes"] == 4096 * row + 32768 * row + 32768 * 4
@@ -341,7 +406,9 @@ def test_sanitizer_reports_are_counted_by_their_first_line_and_function():
             "========= ERROR SUMMARY: 4 errors",
         ]
     )
-    found = _script("sanitize").reports(output)
+    from bench import sanitize
+
+    found = sanitize.reports(output)
     read = "Uninitialized __global__ memory read of size 4 bytes"
     kernel = "jax_ep::DispatchKernel(jax_ep::Params)"
     host = ["PjitFunction::Call [0x7c2fee8] in libjax_common.so"]
@@ -370,15 +437,48 @@ def test_write_patterns_program_compiles(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (os.environ.get("CUDACXX") or shutil.which("nvcc")), reason="needs nvcc")
+def test_copy_timing_is_built_on_first_use_and_reports_cuda_errors(tmp_path, monkeypatch):
+    """The benchmarks' copy and fill yardsticks ship in no wheel: bench/copy_timing.cu is compiled by nvcc into a
+    cache on first use and loaded. On a GPU they time a copy; without one the CUDA runtime's error, naming the call,
+    comes back as a RuntimeError, never as a number."""
+    import jax
+
+    from bench import copy_timing
+
+    monkeypatch.setattr(copy_timing, "CACHE", tmp_path)
+    copy_timing._library.cache_clear()
+    with pytest.raises(ValueError, match="iters must be at least 1, got 0"):
+        copy_timing.fill_seconds(0, 1 << 20, 0)
+    assert not copy_timing.library_path().exists()  # checked before anything is built
+    try:
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        if gpus:
+            assert copy_timing.peer_copy_seconds(0, 0, 1 << 24, 3) > 0
+            assert copy_timing.fill_seconds(0, 1 << 24, 3) > 0
+        else:
+            with pytest.raises(RuntimeError, match=r"jax_ep_bench_fill_seconds: cudaSetDevice: \S"):
+                copy_timing.fill_seconds(0, 1 << 20, 3)
+            with pytest.raises(RuntimeError, match=r"jax_ep_bench_peer_copy_seconds: cudaSetDevice: \S"):
+                copy_timing.peer_copy_seconds(0, 0, 1 << 20, 3)
+    finally:
+        copy_timing._library.cache_clear()
+    assert copy_timing.library_path().is_file() and list(tmp_path.iterdir()) == [copy_timing.library_path()]
+
+
+@pytest.mark.slow
 def test_split_steps_compute_what_the_whole_steps_do():
     """bench/profile_kernels.py's steps of bench/feature_costs.py, on the xla backend: each split step gives the
     whole step's value, so the two versions that are set side by side do the same work."""
     import jax
     import jax.numpy as jnp
 
-    from jax_ep.bench.timing import make_inputs
+    from bench import profile_kernels as profile
+    from bench.timing import make_inputs
 
-    profile = _script("profile_kernels")
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     x, idx, w, _ = make_inputs(1, 16, 128)
     with jax.set_mesh(mesh):
@@ -394,12 +494,12 @@ def test_split_steps_compute_what_the_whole_steps_do():
 def test_feature_costs_cpu_dry_run(tmp_path):
     out = tmp_path / "costs.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, str(ROOT / "bench" / "feature_costs.py"), str(out), "--platform", "cpu"]
+    command = [sys.executable, "-m", "bench.feature_costs", str(out), "--platform", "cpu"]
     command += ["--backend", "xla", "--hidden", "128", "--tokens", "16", "--iters", "2"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python bench/feature_costs.py") and result["backend"] == "xla"
+    assert result["command"].startswith("python -m bench.feature_costs") and result["backend"] == "xla"
     row = result["results"]["16"]
     for op in ("dispatch", "combine"):
         split = row["split"][op]
@@ -412,7 +512,8 @@ def test_feature_costs_cpu_dry_run(tmp_path):
 def test_grouped_matmul_ncu_summary_pairs_each_op_with_its_einsum(tmp_path):
     """bench/grouped_matmul_ncu.py: the kernels after each marker are one op of one side, in run()'s order; every
     metric is read; a profile with a marker missing is an error, not a shifted table."""
-    ncu = _script("grouped_matmul_ncu")
+    from bench import grouped_matmul_ncu as ncu
+
     tensor = ncu.METRICS["tensor_active_pct"][1]
     stall = "smsp__warp_issue_stalled_barrier_per_warp_active.pct"
     marker = [("wrapped_cbrt", 0.5)]
@@ -451,9 +552,9 @@ def test_grouped_matmul_bench_prints_every_op_it_times(groups):
     import jax
     import jax.numpy as jnp
 
+    from bench import grouped_matmul as bench
     from jax_ep.gmm import grouped_matmul as gm
 
-    bench = _script("grouped_matmul")
     x = jax.ShapeDtypeStruct((32768, 7168), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((groups, 7168, 2048), jnp.bfloat16)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)

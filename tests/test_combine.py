@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from helpers import (
+
+import jax_ep
+from tests import reference
+from tests.helpers import (
     AXIS,
     assert_bits_equal,
     assert_dispatch_equal,
@@ -17,8 +19,6 @@ from helpers import (
     slow,
     to_numpy,
 )
-
-import jax_ep
 
 T, H, K, E = 8, 4, 3, 8
 F32_EPS = 1e-5  # float32 accumulation of a few terms, with room to spare

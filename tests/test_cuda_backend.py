@@ -12,15 +12,16 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_cuda
-from helpers import assert_bits_equal, quantize_dequantize, ragged_tail, specified
 from jax.sharding import PartitionSpec as P
+
+from bench.multiprocess import checkout_env
+from tests.gpu import gpu_devices, require_cuda
+from tests.helpers import assert_bits_equal, quantize_dequantize, ragged_tail, specified
 
 pytestmark = require_cuda()
 
@@ -513,9 +514,6 @@ def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport)
     _assert_same(_run(mesh, "cuda", x, idx, w, **kw), _run(mesh, "xla", x, idx, w, **kw), jnp.float32)
 
 
-SCAN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "command_buffer_scan.py"
-
-
 @pytest.mark.parametrize("split", ["0", "1"])
 def test_a_training_scan_under_command_buffers_matches_xla(mesh, transport, tmp_path, split):
     """200 jitted training steps in lax.scan with XLA command buffers forced on for custom calls, routing that
@@ -528,9 +526,8 @@ def test_a_training_scan_under_command_buffers_matches_xla(mesh, transport, tmp_
     env = {**os.environ, "JAX_EP_SCAN_RANKS": str(ranks), "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
     env["JAX_EP_SCAN_SPLIT"] = split
     env["JAX_EP_SCAN_TRANSPORT"] = transport
-    done = subprocess.run(
-        [sys.executable, str(SCAN_SCRIPT)], env=env, capture_output=True, text=True, timeout=400, check=False
-    )
+    command = [sys.executable, "-m", "tools.command_buffer_scan"]
+    done = subprocess.run(command, env=checkout_env(env), capture_output=True, text=True, timeout=400, check=False)
     print(done.stdout[-4000:], done.stderr[-4000:])
     assert done.returncode == 0, done.stderr[-4000:]
     assert "captured:" in done.stdout and "OK" in done.stdout

@@ -28,7 +28,7 @@ Meshes: ``ep2``, ``ep4``, ``ep8`` (1-D "ep" over the first 2, 4, 8 GPUs; the psu
 ``dp2xep2``, ``dp2xep4`` (2-D ("dp", "ep"): two EP groups; the psum over "dp" pairs GPUs of different groups).
 Each skips where fewer GPUs are visible. Run one case by hand::
 
-    python tests/test_cuda_concurrency.py dp2xep4 [--steps 20] [--guard-s 280]
+    python -m tests.test_cuda_concurrency dp2xep4 [--steps 20] [--guard-s 280]
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_cuda
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bench.multiprocess import checkout_env
+from tests.gpu import gpu_devices, require_cuda
 
 pytestmark = [*require_cuda(min_gpus=2), pytest.mark.slow]
 
@@ -241,9 +243,18 @@ def _run_worker(mesh_name: str, log: Path, flags: str) -> tuple[int | None, str]
     """The worker's exit code (None when it outran TIMEOUT_S and was killed) and its output."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
     env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-    command = [sys.executable, __file__, mesh_name, "--steps", str(STEPS), "--guard-s", str(max(10.0, TIMEOUT_S - 20))]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.test_cuda_concurrency",
+        mesh_name,
+        "--steps",
+        str(STEPS),
+        "--guard-s",
+        str(max(10.0, TIMEOUT_S - 20)),
+    ]
     with open(log, "w") as sink:
-        worker = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(command, env=checkout_env(env), stdout=sink, stderr=subprocess.STDOUT)
         try:
             code = worker.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:

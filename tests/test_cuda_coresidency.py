@@ -6,7 +6,7 @@ resident blocks than its grid (the send work's shares). Either protection revert
 import subprocess
 from pathlib import Path
 
-from gpu import build_harness, require_cuda
+from tests.gpu import build_harness, require_cuda
 
 HARNESS = Path(__file__).resolve().parent / "cuda" / "two_ranks_one_gpu.cu"
 

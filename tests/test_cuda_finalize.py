@@ -3,7 +3,7 @@ steps finish as they would have (their results match backend "xla"), a call afte
 says so, and compute-sanitizer's memcheck finds no access of jax_ep's kernels to memory finalize freed.
 
 The case runs in a fresh process, under ``compute-sanitizer --tool memcheck`` where it is found; run it by hand with
-``python tests/test_cuda_finalize.py``.
+``python -m tests.test_cuda_finalize`` from the checkout.
 """
 
 import os
@@ -14,8 +14,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gpu import require_cuda
 from jax.sharding import PartitionSpec as P
+
+from tests.gpu import require_cuda
 
 pytestmark = require_cuda()
 STEPS, TOKENS, HIDDEN, TOPK, EXPERTS = 20, 64, 256, 4, 16
@@ -68,12 +69,14 @@ def main() -> None:
 
 
 def test_finalize_right_after_steps_that_were_never_waited_for():
+    from bench.multiprocess import checkout_env
+
     sanitizer = shutil.which("compute-sanitizer")
-    command = [sys.executable, __file__]
+    command = [sys.executable, "-m", "tests.test_cuda_finalize"]
     if sanitizer:
         command = [sanitizer, "--tool", "memcheck", "--kernel-name", "kns=jax_ep", "--error-exitcode", "3", *command]
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=checkout_env(env))
     print(" ".join(command), "\n", done.stdout[-6000:], done.stderr[-4000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert f"{STEPS} steps dispatched before finalize match backend xla" in done.stdout

@@ -4,24 +4,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu import require_cuda
+
+from tests.gpu import require_cuda
 
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tools" / "multiprocess_worker.py"
 
 
 def _run_pair(
     mode: str, timeout: float, tmp_path: Path, env: dict[str, str] | None = None, processes: int = 2
 ) -> list[tuple[int, str]]:
     """Every worker's exit code and output (two workers, or ``processes``)."""
-    sys.path.insert(0, str(ROOT / "bench"))  # bench/multiprocess.py
-    from multiprocess import run_workers
+    from bench.multiprocess import run_workers
 
     logs = [tmp_path / f"{mode}_{i}.log" for i in range(processes)]
     codes = run_workers(
-        lambda port, i: [sys.executable, str(WORKER), str(port), str(i), mode, str(processes)],
+        lambda port, i: [sys.executable, "-m", "tools.multiprocess_worker", str(port), str(i), mode, str(processes)],
         processes,
         timeout,
         env={"XLA_FLAGS": "", **(env or {})},
@@ -108,7 +107,7 @@ def test_a_mesh_in_another_device_order_is_an_error(tmp_path):
 def test_a_training_scan_under_command_buffers_with_two_processes(tmp_path, split):
     """tools/command_buffer_scan.py's 200 steps with XLA command buffers on, two processes sharing GPU 0, with
     the whole ops and with the split ops (a matmul between dispatch_start and dispatch_finish)."""
-    from command_buffer_scan import COMMAND_BUFFER_FLAGS
+    from tools.command_buffer_scan import COMMAND_BUFFER_FLAGS
 
     env = {"XLA_FLAGS": COMMAND_BUFFER_FLAGS, "JAX_EP_SCAN_SPLIT": split}
     for code, out in _run_pair("scan_shared", timeout=300, tmp_path=tmp_path, env=env):

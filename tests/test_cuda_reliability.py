@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_cuda
 from jax.sharding import PartitionSpec as P
+
+from tests.gpu import gpu_devices, require_cuda
 
 pytestmark = require_cuda()
 

@@ -13,12 +13,12 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.ep import call_sites
 from jax_ep.ep import group as _group
+from tests.conftest import cpu_mesh
 
 TARGETS = tuple(
     f"jax_ep_{op}{half}" for op in ("dispatch", "combine", "combine_backward") for half in ("", "_start", "_finish")

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 import jax_ep
+from tests.helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 T, H, K, E = 8, 16, 4, 8
 

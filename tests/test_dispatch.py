@@ -4,9 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from conftest import cpu_mesh
-from helpers import (
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from tests import reference
+from tests.conftest import cpu_mesh
+from tests.helpers import (
     AXIS,
     INVALID_IDS,
     assert_bits_equal,
@@ -17,9 +20,6 @@ from helpers import (
     run_dispatch,
     specified,
 )
-from jax.sharding import PartitionSpec as P
-
-import jax_ep
 
 T, H, K, E = 8, 4, 3, 8
 

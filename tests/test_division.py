@@ -7,10 +7,10 @@ handed to divide_from are the exact ones moved by -3..3 ulps, so the correction 
 import jax
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_gpu
-from helpers import assert_bits_equal
 
 from jax_ep.ep import division as _division
+from tests.gpu import gpu_devices, require_gpu
+from tests.helpers import assert_bits_equal
 
 N = 1 << 16
 

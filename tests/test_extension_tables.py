@@ -2,11 +2,18 @@
 target fits the public types (runs on CPU; needs the built extension)."""
 
 import dataclasses
+import re
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import jax_ep
 from jax_ep.ep import group as _group
 from jax_ep.ep.types import Dispatched, Handle
+from tests.conftest import cpu_mesh
 
 
 @pytest.fixture
@@ -41,10 +48,38 @@ def test_a_dispatch_returns_every_array_of_dispatched_and_handle():
     assert {f.name for f in dataclasses.fields(Handle)} - {"config"} <= set(whole)
 
 
-def test_limits_come_from_the_kernels_and_bound_what_backend_cuda_takes(extension):
-    limits = _group.limits()
-    assert limits == extension.limits() and set(limits) == {"max_topk", "max_experts"}
-    assert _group.over_limits(topk=limits["max_topk"], num_experts=limits["max_experts"]) == ""
-    too_many = _group.over_limits(topk=limits["max_topk"] + 1, num_experts=8)
-    assert f"topk must be at most {limits['max_topk']}" in too_many and f"got {limits['max_topk'] + 1}" in too_many
-    assert "num_experts must be at most" in _group.over_limits(topk=1, num_experts=limits["max_experts"] + 1)
+def test_limits_are_the_kernels_and_bound_backend_cuda(monkeypatch, extension):
+    """limits() are the constants the kernels are built with (ffi/kernels/launch.h: a token's rows and the
+    receivers' row tables live in shared memory), and backend "cuda" takes a dispatch at both limits and refuses
+    one past them before any kernel, naming the limit."""
+    from jax_ep.ep.backends import cuda
+
+    header = (Path(__file__).resolve().parents[1] / "ffi" / "kernels" / "launch.h").read_text()
+    built = {
+        key: int(re.search(rf"\bconstexpr\s+\w+\s+{constant}\s*=\s*(\d+)\s*;", header).group(1))
+        for key, constant in (("max_topk", "kMaxTopk"), ("max_experts", "kMaxExperts"))
+    }
+    assert extension.limits() == built and _group.limits() == built
+
+    monkeypatch.setattr(cuda, "on_gpus", lambda: True)
+    monkeypatch.setitem(_group._groups, "ep", _group.Group(4242, "test", "ep", 2, 1, {}, [0], 1, {}))
+
+    def dispatch(topk, num_experts):
+        def body(x, idx, w):
+            return jax_ep.dispatch(x, idx, w, num_experts=num_experts, axis_name="ep", backend="cuda").x
+
+        args = (
+            jax.ShapeDtypeStruct((4, 16), jnp.float32),
+            jax.ShapeDtypeStruct((4, topk), jnp.int32),
+            jax.ShapeDtypeStruct((4, topk), jnp.float32),
+        )
+        with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+            return jax.eval_shape(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")), *args)
+
+    top, experts = built["max_topk"], built["max_experts"]
+    assert dispatch(top, experts).shape[-1] == 16
+    refused = f"num_experts must be at most {experts} for backend 'cuda', got {experts + 2}"
+    with pytest.raises(ValueError, match=refused):
+        dispatch(1, experts + 2)
+    with pytest.raises(ValueError, match=f"topk must be at most {top} for backend 'cuda', got {top + 1}"):
+        dispatch(top + 1, experts)

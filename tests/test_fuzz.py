@@ -2,7 +2,7 @@
 
 The slice: 200 fixed cases (campaign seed 0) over R = 1, 2, 4, 8, two shape buckets per R, backend "xla",
 every case bit for bit or within the contract's rounding of tests/reference.py. The bigger CPU campaign
-is ``python tools/fuzz.py --cases 10000`` (bench/results/reliability_fuzz_cpu.json).
+is ``python -m tools.fuzz --cases 10000`` (bench/results/reliability_fuzz_cpu.json).
 """
 
 import dataclasses
@@ -11,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fuzz
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_bits_equal
+
+from tests.helpers import assert_bits_equal
+from tools import fuzz
 
 SLICE = dict(seed=0, cases=200, ranks=[1, 2, 4, 8], buckets=2)
 
@@ -29,7 +30,7 @@ def slice_report():
 def test_fuzz_slice_has_no_mismatch(slice_report):
     report = slice_report
     details = "\n".join(f"seed {m['seed']}: {m['case']}\n  {m['mismatches'][0]}" for m in report["mismatches"])
-    assert report["mismatching_cases"] == 0, f"replay with python tools/fuzz.py --replay SEED:\n{details}"
+    assert report["mismatching_cases"] == 0, f"replay with python -m tools.fuzz --replay SEED:\n{details}"
     assert report["cases"] == SLICE["cases"]
     counts = report["counts"]
     # The slice covers what the fuzzer is for.
@@ -68,8 +69,11 @@ def test_two_processes_each_check_their_own_rank(tmp_path):
     """--processes 2: R=2 as two jax.distributed processes (here one CPU device each, gloo); both run the same
     cases, each checks its own rank's outputs against the reference, and one report joins them."""
     out = tmp_path / "two.json"
-    command = [sys.executable, str(Path(fuzz.__file__)), "--processes", "2", "--cases", "4", "--buckets", "2"]
-    done = subprocess.run([*command, "--seed", "5", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "tools.fuzz", "--processes", "2", "--cases", "4", "--buckets", "2"]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [*command, "--seed", "5", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["cases"] == 4 and report["mismatching_cases"] == 0 and report["mismatches"] == []

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from conftest import cpu_mesh
-from helpers import AXIS, assert_bits_equal, assert_sum_close, ep_jit, random_inputs, routing, slow, to_numpy
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_ep
+from tests import reference
+from tests.conftest import cpu_mesh
+from tests.helpers import AXIS, assert_bits_equal, assert_sum_close, ep_jit, random_inputs, routing, slow, to_numpy
 
 T, H, K, E = 6, 4, 3, 8
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 sums of a few O(1) terms in a different order

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import require_gpu
-from helpers import slow
 
 import jax_ep
 from jax_ep.gmm import grouped_matmul as gm
 from jax_ep.gmm import padded as padded
 from jax_ep.gmm.mosaic import Blocks, num_row_tiles, tile_table
 from jax_ep.gmm.padded import padded_rows
+from tests.gpu import require_gpu
+from tests.helpers import slow
 
 # (M, K, N, group_sizes, rows past the groups); sizes not multiples of 64, empty groups first, inside and last.
 CASES = {
@@ -36,6 +36,7 @@ CASES = {
     "uneven": (2048, 128, 192, [400, 200, 255, 262, 200, 251, 259, 200], True),
 }
 ON_HOPPER = gm.hopper_available()
+hopper = require_gpu("needs a Hopper GPU (compute capability 9.x)", needed=ON_HOPPER)
 # The CPU sweeps' cases in the default tier (groups with gaps and a NaN tail, no rows at all, fewer rows than a tile);
 # the slow tier runs the others.
 CPU_CASES = [case if case in ("ragged", "all_empty", "tiny") else slow(case) for case in sorted(CASES)]
@@ -114,11 +115,16 @@ def test_auto_is_ragged_dot_without_hopper(case):
     assert np.all(np.isfinite(got[2]))
 
 
-def test_nan_in_a_group_stays_in_that_group():
-    """NaN in x and Inf in dy on rows inside group 5 reach those rows and dw[5] only, as with ragged_dot."""
+@pytest.mark.parametrize("impl", ["plan", pytest.param("mosaic", marks=list(hopper))])
+def test_nan_in_a_group_stays_in_that_group(impl):
+    """NaN in x and Inf in dy on rows inside group 5 reach those rows and dw[5] only, as with ragged_dot: through
+    the custom VJP of the shape's plan (off CUDA, with XLA's ops in place of the kernels), and on a Hopper GPU
+    through jax_ep.grouped_matmul(impl="mosaic")."""
     x, w, sizes, dy = make("many_small")
-    plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
-    fn = functools.partial(gm.custom_grouped_matmul, plan=plan)
+    if impl == "plan":
+        fn = functools.partial(gm.custom_grouped_matmul, plan=gm.plan_for(x.shape, w.shape, x.dtype, w.dtype))
+    else:
+        fn = functools.partial(jax_ep.grouped_matmul, impl="mosaic")
     row = int(np.sum(sizes[:5])) + 3  # group 5 has 64 rows; row and row + 1 are inside it
     s = int(np.sum(sizes))
     clean = run(fn, x, w, sizes, dy)
@@ -135,8 +141,9 @@ def test_nan_in_a_group_stays_in_that_group():
 
 def test_custom_vjp_inside_shard_map():
     """Under jax.shard_map the kernel branch's output is cast to varying like XLA's, so both branches trace."""
-    from conftest import cpu_mesh
     from jax.sharding import PartitionSpec as P
+
+    from tests.conftest import cpu_mesh
 
     x, w, sizes, dy = make("ragged")
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
@@ -382,8 +389,6 @@ def test_bad_arguments():
 
 # GPU: the Mosaic kernels themselves.
 
-hopper = require_gpu("needs a Hopper GPU (compute capability 9.x)", needed=ON_HOPPER)
-
 
 @hopper
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -548,8 +553,3 @@ def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
         np.testing.assert_allclose(dw[group], xb[rows].T @ dyb[rows], rtol=2e-2, atol=2e-2 * 16)
         start += size
     assert np.all(dx[start:] == 0)
-
-
-@hopper
-def test_mosaic_nan_in_a_group_stays_in_that_group():
-    test_nan_in_a_group_stays_in_that_group()

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_grouped_matmul import fake_kernels, hopper, routed_sizes
 
 from jax_ep.gmm import grouped_matmul as gm
 from jax_ep.gmm import mlp as gmlp
 from jax_ep.gmm import padded
+from tests.test_grouped_matmul import fake_kernels, hopper, routed_sizes
 
 # Group sizes: the ladder of padded sizes is (288, 304, 352) at M=2048 and 8 groups. Every group fits its smallest
 # size in "fits", only its largest in "fits_largest"; group 0 fits none in "too_large".

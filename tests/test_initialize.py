@@ -4,10 +4,10 @@ import math
 
 import jax.numpy as jnp
 import pytest
-from conftest import cpu_mesh
 
 import jax_ep
 from jax_ep.ep import group as _group
+from tests.conftest import cpu_mesh
 
 SIZES = dict(num_tokens=16, hidden=8, topk=2, num_experts=8)
 

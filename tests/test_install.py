@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu import gpu_devices, require_cuda
 
 import jax_ep
 from jax_ep import _cuda_build
 from jax_ep.ep import group as _group
+from tests.gpu import gpu_devices, require_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(bool(gpu_devices()), reason="checks a machine without GPUs")
@@ -116,7 +116,7 @@ def test_the_provider_runs_before_anything_is_installed(tmp_path):
 
 def test_the_version_is_written_once():
     """jax_ep/__init__.py holds the version; pyproject.toml reads it (no static version) and CHANGELOG.md's newest
-    entry names it."""
+    versioned entry (after "Unreleased", where changes gather) names it."""
     import re
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -124,5 +124,5 @@ def test_the_version_is_written_once():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     regex = project["tool"]["scikit-build"]["metadata"]["version"]
     assert regex["provider"] == "scikit_build_core.metadata.regex" and regex["input"] == "jax_ep/__init__.py"
-    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
+    newest = re.search(r"^## (?!Unreleased\b)(\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
     assert newest == jax_ep.__version__

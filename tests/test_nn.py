@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from tests.conftest import cpu_mesh
 
 nnx = pytest.importorskip("flax.nnx")
 from jax_ep.nn import MoE  # noqa: E402

@@ -3,12 +3,12 @@
 import jax
 import numpy as np
 import pytest
-from conftest import cpu_mesh
-from helpers import slow
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
+from bench.ragged_baseline import emulated_ragged_all_to_all, ragged_roundtrip
+from tests.conftest import cpu_mesh
+from tests.helpers import slow
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_mesh
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, to_numpy
 
 import jax_ep
+from tests.conftest import cpu_mesh
+from tests.helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, to_numpy
 
 T, H, K, E = 6, 4, 3, 8
 

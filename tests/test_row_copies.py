@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu import gpu_devices, require_gpu
-from helpers import slow
 from jax.experimental import pallas as pl
 
 from jax_ep.gmm import padded as padded
 from jax_ep.gmm import row_copies as rc
+from tests.gpu import gpu_devices, require_gpu
+from tests.helpers import slow
 
 ON_CUDA = bool(gpu_devices())
 # (rows a group, columns, group sizes, rows past the groups)

@@ -8,12 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from conftest import cpu_mesh
-from helpers import assert_bits_equal, assert_dispatch_equal, assert_sum_close, random_inputs, routing, slow, to_numpy
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from tests import reference
+from tests.conftest import cpu_mesh
+from tests.helpers import (
+    assert_bits_equal,
+    assert_dispatch_equal,
+    assert_sum_close,
+    random_inputs,
+    routing,
+    slow,
+    to_numpy,
+)
 
 T, H, K, E = 6, 4, 3, 8
 

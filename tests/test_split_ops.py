@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 import jax_ep
+from tests.helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, slow, specified, to_numpy
 
 R, T, H, K, E = 2, 8, 16, 3, 8
 

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import cpu_mesh
-from helpers import AXIS, ep_jit
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from tests.conftest import cpu_mesh
+from tests.helpers import AXIS, ep_jit
 
 R, T, H, K, E = 2, 4, 3, 2, 4
 L = E // R

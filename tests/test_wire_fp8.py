@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import (
+
+import jax_ep
+from jax_ep.ep import fp8 as _fp8
+from tests.helpers import (
     AXIS,
     assert_bits_equal,
     ep_jit,
@@ -20,9 +23,6 @@ from helpers import (
     specified,
     to_numpy,
 )
-
-import jax_ep
-from jax_ep.ep import fp8 as _fp8
 
 R, T, K, E = 2, 8, 3, 8
 

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, specified, to_numpy
 
 import jax_ep
+from tests.helpers import AXIS, assert_bits_equal, ep_jit, random_inputs, routing, specified, to_numpy
 
 R, T, H, K, E = 4, 6, 4, 3, 8
 # (layout, capacity, expert_alignment): no drops, and drops with alignment padding
@@ -72,9 +72,9 @@ def test_x64_runs_without_warnings_and_matches_x32(tmp_path):
     assert not jax.config.jax_enable_x64
     saved = tmp_path / "x64.npz"
     env = {**os.environ, "JAX_ENABLE_X64": "1"}
-    done = subprocess.run(
-        [sys.executable, "-W", "error", __file__, str(saved)], env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "-W", "error", "-m", "tests.test_x64", str(saved)]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "warn" not in (done.stdout + done.stderr).lower(), done.stdout + done.stderr
     x64 = _load(saved)

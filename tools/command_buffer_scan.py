@@ -1,8 +1,8 @@
 """A jitted training step in ``lax.scan`` under XLA command buffers: backend "cuda" against a NumPy reference.
 
-    python tools/command_buffer_scan.py        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
-    JAX_EP_SCAN_SPLIT=1 python tools/command_buffer_scan.py   # with the split ops, a matmul between the halves
-    JAX_EP_SCAN_RANKS=2 JAX_EP_SCAN_TRANSPORT=nccl python tools/command_buffer_scan.py   # every pair through NCCL
+    python -m tools.command_buffer_scan        # JAX_EP_SCAN_RANKS GPUs (default 1) of this process
+    JAX_EP_SCAN_SPLIT=1 python -m tools.command_buffer_scan   # with the split ops, a matmul between the halves
+    JAX_EP_SCAN_RANKS=2 JAX_EP_SCAN_TRANSPORT=nccl python -m tools.command_buffer_scan   # every pair through NCCL
 
 Each step dispatches this rank's tokens with a routing that changes every step, applies an elementwise expert (a
 learned per-rank scale, on the rows of the data), combines, and updates the scale with the gradient of ``sum(c *
@@ -19,7 +19,6 @@ capture: the script then checks that none was captured (one host launch per call
 from __future__ import annotations
 
 import os
-import sys
 
 COMMAND_BUFFER_FLAGS = (
     "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
@@ -102,7 +101,7 @@ def scan_fn(backend: str):
 
 def reference_scan(data: dict[str, np.ndarray], ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """The same scan in float64 NumPy over tests/reference.py: losses [R, STEPS] and final scales [R, H]."""
-    import reference
+    from tests import reference
 
     stack = lambda a: a.reshape(ranks, TOKENS, -1)  # noqa: E731
     x0, w, c = stack(data["x"]).astype(np.float64), stack(data["w"]), stack(data["c"]).astype(np.float64)
@@ -165,5 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # reference
     main()

@@ -1,13 +1,13 @@
 """Fuzz jax_ep's dispatch and combine against the NumPy reference of the contract (tests/reference.py).
 
-Run as a script::
+Run from the checkout's root::
 
-    python tools/fuzz.py [--cases N] [--seed S] [--ranks 1,2,4,8] [--buckets B] [--out results.json] [--backend xla]
-    python tools/fuzz.py --replay SEED             # rerun one case, print its config and every mismatch
-    python tools/fuzz.py --merge a.json b.json --out all.json   # one report from several runs
-    python tools/fuzz.py --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
-    python tools/fuzz.py --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
-    python tools/fuzz.py --platform gpu --backend cuda --ranks 2 --transport nccl ...  # every pair through NCCL
+    python -m tools.fuzz [--cases N] [--seed S] [--ranks 1,2,4,8] [--buckets B] [--out results.json] [--backend xla]
+    python -m tools.fuzz --replay SEED             # rerun one case, print its config and every mismatch
+    python -m tools.fuzz --merge a.json b.json --out all.json   # one report from several runs
+    python -m tools.fuzz --platform gpu --backend cuda --ranks 1 --cases N --out r.json  # on GPUs (R <= GPUs)
+    python -m tools.fuzz --platform gpu --backend cuda --processes 2 --cases N --out r.json  # R=2, both on GPU 0
+    python -m tools.fuzz --platform gpu --backend cuda --ranks 2 --transport nccl ...  # every pair through NCCL
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
@@ -39,8 +39,6 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))  # the NumPy reference and the test helpers
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -56,9 +54,13 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import reference  # noqa: E402
-from conftest import cpu_mesh  # noqa: E402
-from helpers import (  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ep  # noqa: E402
+from bench.record import SOURCES, sources  # noqa: E402
+from tests import reference  # noqa: E402
+from tests.conftest import cpu_mesh  # noqa: E402
+from tests.helpers import (  # noqa: E402
     AXIS,
     INVALID_IDS,
     assert_sum_close,
@@ -67,10 +69,6 @@ from helpers import (  # noqa: E402
     specified,
     to_numpy,
 )
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_ep  # noqa: E402
-from jax_ep.bench.record import SOURCES, sources  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 UNIT = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff
@@ -93,7 +91,7 @@ ROWS_BUDGET = 2**21  # R * N * max(H, H') elements of a layout-shaped array, to 
 SEED_BASE = (10**10, 10**8, 10**6)  # seed = campaign * 1e10 + R * 1e8 + bucket * 1e6 + index
 SEED_FORMAT = (
     "case seed = campaign * 10**10 + R * 10**8 + bucket * 10**6 + index; a bucket's seeds are listed, or given as "
-    "first..last (every integer between); replay one case with: python tools/fuzz.py --replay SEED"
+    "first..last (every integer between); replay one case with: python -m tools.fuzz --replay SEED"
 )
 
 
@@ -894,11 +892,10 @@ def in_processes(args: argparse.Namespace, command: str) -> dict[str, Any]:
     process that saw it."""
     import tempfile
 
-    sys.path.insert(0, os.path.join(REPO, "bench"))  # bench/multiprocess.py
-    from multiprocess import run_workers
+    from bench.multiprocess import run_workers
 
     folder = Path(tempfile.mkdtemp(prefix="jax_ep_fuzz_"))
-    worker = [sys.executable, os.path.abspath(__file__), "--cases", str(args.cases), "--seed", str(args.seed)]
+    worker = [sys.executable, "-m", "tools.fuzz", "--cases", str(args.cases), "--seed", str(args.seed)]
     count = args.processes
     worker += ["--ranks", str(count), "--buckets", str(args.buckets), "--backend", args.backend]
     worker += ["--platform", args.platform, "--progress", str(args.progress), "--processes", str(count)]
@@ -978,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # PORT,INDEX: one process of --processes
     args = parser.parse_args(argv)
-    command = "python " + shlex.join(["tools/fuzz.py", *(sys.argv[1:] if argv is None else argv)])
+    command = "python -m " + shlex.join(["tools.fuzz", *(sys.argv[1:] if argv is None else argv)])
 
     if args.merge:
         reports = []
@@ -1019,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"[fuzz] cases per R: {report['counts']['by_ranks']}")
     for m in report["mismatches"]:
-        print(f"[fuzz] MISMATCH seed={m['seed']} (replay: python tools/fuzz.py --replay {m['seed']})")
+        print(f"[fuzz] MISMATCH seed={m['seed']} (replay: python -m tools.fuzz --replay {m['seed']})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -1,6 +1,6 @@
 """One process of the multi-process GPU tests (tests/test_cuda_multiprocess.py); one GPU per process.
 
-    python tools/multiprocess_worker.py PORT PROCESS_ID MODE [PROCESSES]
+    python -m tools.multiprocess_worker PORT PROCESS_ID MODE [PROCESSES]
 
 MODE is one of compare, compare_shared, peer_hangs, late_shared, skew_shared, skew_later_shared, branch_shared,
 wrong_rank_shared, scan_shared, dies_shared; PROCESSES (default 2) is R, one rank per process.
@@ -35,7 +35,6 @@ import sys
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # reference
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -109,7 +108,7 @@ CASES = [
 
 def reference_run(mesh, host, dtype, *, num_experts, layout, capacity):
     """What ``run`` returns on this process's rank, from tests/reference.py (float64 sums) over ``host_inputs``."""
-    import reference
+    from tests import reference
 
     xs, ids, ws = (a.reshape(R, a.shape[0] // R, -1) for a in (host[0].astype(np.float32), *host[1:]))
     ref = reference.dispatch(xs, ids, ws, num_experts=num_experts, layout=layout, capacity=capacity)
@@ -325,7 +324,7 @@ def wrong_rank_shared(mesh, process_id):
 
 def scan_shared(mesh, process_id):
     """tools/command_buffer_scan.py's scan with two processes on one GPU, each rank against the reference."""
-    import command_buffer_scan as scan
+    from tools import command_buffer_scan as scan
 
     data = scan.inputs(R)
     m = data["m"]

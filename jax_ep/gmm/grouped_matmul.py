@@ -38,8 +38,8 @@ else:
     _MOSAIC_IMPORT_ERROR = None
 
 IMPLS = ("auto", "mosaic", "xla")
-# "auto" takes the Mosaic path on Hopper: its GPU tests passed on one H200 with jax 0.11.2 at 0041d79 (89 of 89,
-# bench/results/grouped_matmul_tests_h200x1.json). False makes "auto" jax.lax.ragged_dot everywhere.
+# "auto" takes the Mosaic path on Hopper, where its GPU tests (tests/test_grouped_matmul.py) pass; False makes "auto"
+# jax.lax.ragged_dot everywhere.
 MOSAIC_BY_DEFAULT = True
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -71,12 +71,8 @@ class Plan(NamedTuple):
 
 # Tiles per op; "fwd"/"dx": (rows, output columns, contraction step, pipeline stages, column tiles per
 # sweep strip); "dw": (rows of dw = K, columns of dw = N, row step, ...). Tried in order; the first that
-# divides the shape wins. On one H200 (bench/grouped_matmul.py --sweep,
-# bench/results/grouped_matmul_sweep_h200x1.json) dw's first
-# entry was the fastest or within 2% of it at the three shapes of issue 13; the forward's and dx's first
-# entries were the fastest at 8192x4096x1024 with 64 groups (forward 335 against 229 TFLOP/s for 128/128/64 with
-# one column tile, dx 249 against 214; bench/results/grouped_matmul_sweep_fwd_dx_e608573_h200x1.json), the only
-# shape swept for them.
+# divides the shape wins. Each op's first entry is the fastest of a tile sweep (bench/grouped_matmul.py --sweep);
+# docs/maintainers/performance_notes.md says which shapes were swept.
 _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
     "fwd": (Blocks(64, 256, 64, 4, 4), Blocks(128, 128, 64, 4, 8), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
     "dx": (Blocks(128, 128, 64, 6, 16), Blocks(64, 128, 64, 4, 1), Blocks(64, 64, 64, 4, 1)),
@@ -84,29 +80,23 @@ _CANDIDATES: dict[str, tuple[Blocks, ...]] = {
 }
 
 
-# From this many groups up the forward and dx kernel is jax_ep's per-group-tile kernel ("tiles") instead of JAX's:
-# on one H200 at 256 groups of 128 rows on average (M=32768, K=7168, N=2048;
-# bench/results/grouped_matmul_71d5c64_h200x1.json) it was faster (forward 242 against 188 TFLOP/s, dx 216 against
-# 147); at 32 groups both were within 3%, and at 64 groups of 128 rows with K=4096, N=1024 "tiles" was slower
-# (forward 180 against 228). No group count between 64 and 256 was measured.
+# From this many groups up the forward and dx kernel is jax_ep's per-group-tile kernel ("tiles") instead of JAX's
+# ("upstream"): it was the faster at 256 groups and the slower at 64; no count between them was measured
+# (docs/maintainers/performance_notes.md).
 MANY_GROUPS = 256
 
 # Where every group fits (jax_ep.gmm.padded.padded_rows) the padded dense path replaces dx's and dw's kernels, and
-# from MANY_GROUPS up the forward's too. On one H200 at aa40d64, whose padded path copies rows with Pallas Triton
-# kernels (bench/results/grouped_matmul_aa40d64_h200x1.json), TFLOP/s with random sizes, padded against the kernel in
-# the same run: 32 groups of 7168x2048 weights, forward 535 against 575, dx 510 against 497, dw 540 against 522; 64
-# groups of 4096x1024, forward 273 against 316, dx 284 against 234, dw 254 against 142; 256 groups of 7168x2048,
-# forward 360 against 339, dx 375 against 290, dw 313 against 142.
+# from MANY_GROUPS up the forward's too: measured against the kernels in one run, the padded path was the faster
+# for dx and dw at every group count measured, and for the forward pass only at 256 groups
+# (docs/maintainers/performance_notes.md).
 PADDED_OPS = ("dx", "dw")
 
 
 # Where groups average at least LARGE_GROUPS rows, the forward pass, dx and dw run the warp-specialized kernels with
-# tiles SPECIALIZED (where N and K are multiples of its block_n), dx and dw instead of the padded path. On one H200,
-# × the einsum in the same run, at 32 groups of 7168x2048 it beat the other paths (forward 0.88 against 0.77, dx
-# 0.79 against 0.67 padded; bench/results/grouped_matmul_992dba1_h200x1.json); at 128 rows a group it lost
-# (performance_notes). dw's warp-specialized kernel, on one H100 (grouped_matmul_c56867d_h100x1.json): 0.75 at 32
-# groups against 0.66 for the padded path and the pipelined kernel; at 256 groups 0.57 against 0.44 for the
-# pipelined kernel, so it is dw's kernel wherever its tiles divide the shape, but 0.83 for the padded path there.
+# tiles SPECIALIZED (where N and K are multiples of its block_n), dx and dw instead of the padded path: there they
+# beat every other path, and at 128 rows a group they lost. dw's warp-specialized kernel is also dw's kernel
+# wherever its tiles divide the shape, as it beat the pipelined kernel at every group count measured; the padded
+# path still takes dw where every group fits (docs/maintainers/performance_notes.md).
 LARGE_GROUPS = 512
 SPECIALIZED = Blocks(128, 256, 64, 3, 8)
 

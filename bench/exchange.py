@@ -1,7 +1,7 @@
 """Time dispatch and combine next to a plain CUDA peer copy of the same bytes and a ragged_all_to_all baseline.
 
-    python -m jax_ep.bench OUT.json [--suite all | --suite training,decode,sweep,sms] [--ranks N]
-    python -m jax_ep.bench OUT.json --platform cpu --backends xla   # a dry run: 8 simulated CPU devices, small shapes
+    python -m bench.exchange OUT.json [--suite all | --suite training,decode,sweep,sms] [--ranks N]
+    python -m bench.exchange OUT.json --platform cpu --backends xla   # a dry run: 8 simulated CPU devices, small shapes
 
 The EP group is the first --ranks devices of the platform (default: all of them). The shapes below are the GPU
 defaults; with --platform cpu they default to T=64, H=256, a sweep of T in {16, 32, 64} x H in {128, 256} and 5
@@ -26,7 +26,7 @@ n is --iters, raised once when the n calls take under 20 ms. XLA still launches 
 host (the FFI calls are not marked command-buffer compatible), so where launching takes longer than running them
 (small shapes), these times are launch-bound.
 GB/s counts the remote bytes: deduplicated (token, remote rank) pairs x H x 2.
-This module is the command line; the measuring tools are in jax_ep.bench.timing.
+This module is the command line; the measuring tools are in bench/timing.py, the peer copy in bench/copy_timing.py.
 """
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
-from jax_ep.bench.ragged_baseline import emulated_ragged_all_to_all  # noqa: E402
-from jax_ep.bench.record import provenance, write  # noqa: E402
-from jax_ep.bench.timing import (  # noqa: E402
+from bench.copy_timing import peer_copy_seconds  # noqa: E402
+from bench.ragged_baseline import emulated_ragged_all_to_all  # noqa: E402
+from bench.record import provenance, write  # noqa: E402
+from bench.timing import (  # noqa: E402
     EXPERTS,
     TOPK,
-    copy_seconds,
     make_inputs,
     progress,
     time_backend,
@@ -93,7 +93,7 @@ def ragged_in_children(args, tokens_list, hidden) -> dict:
     with tempfile.TemporaryDirectory() as scratch:  # the children's JSON, merged into ours
         for flag, value in flags.items():
             part = Path(scratch) / f"ragged_{flag}.json"
-            command = [sys.executable, "-m", "jax_ep.bench", str(part), "--ragged-flag", value]
+            command = [sys.executable, "-m", "bench.exchange", str(part), "--ragged-flag", value]
             command += ["--hidden", str(hidden), "--ragged-tokens", ",".join(map(str, tokens_list))]
             command += ["--platform", args.platform] + (["--ranks", str(args.ranks)] if args.ranks else [])
             progress(f"ragged_all_to_all, {RAGGED_FLAG}={flag}: {' '.join(command)}")
@@ -116,7 +116,7 @@ PLATFORM_DEFAULTS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jax_ep.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.exchange", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="JSON results (and OUT.png with the sweep)")
     parser.add_argument("--suite", default="all", help="all, or a comma list of training, decode, sweep, sms")
     gpu, cpu = PLATFORM_DEFAULTS["gpu"], PLATFORM_DEFAULTS["cpu"]
@@ -147,13 +147,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
-    """Bytes on the wire of dispatch's rows in bfloat16 and as FP8 (e4m3 values and one float32 scale per 128,
-    padded to 16 bytes: jax_ep.ep.fp8), per row and for this rank's remote rows."""
-    from jax_ep.ep import fp8 as _fp8
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one dispatched row with ``wire_dtype=float8_e4m3fn``: ``hidden`` e4m3 values and one float32 scale
+    per 128 of them, padded to a multiple of 16 bytes (docs/api.md, FP8 dispatch)."""
+    return -(-(hidden + 4 * (hidden // 128)) // 16) * 16
 
+
+def fp8_wire_bytes(hidden: int, remote_bf16: int) -> dict:
+    """Bytes on the wire of dispatch's rows in bfloat16 and as FP8, per row and for this rank's remote rows."""
     rows = remote_bf16 // (hidden * 2)
-    packed = _fp8.packed_width(hidden)
+    packed = fp8_row_bytes(hidden)
     return {
         "row_bytes_bfloat16": hidden * 2,
         "row_bytes_fp8": packed,
@@ -208,10 +211,10 @@ def main() -> None:
         if args.platform != "gpu" or ranks < 2:  # one GPU: no peer to copy to (bench/one_gpu_targets.py)
             return None
         ids = (devices[0].local_hardware_id, devices[1].local_hardware_id)
-        return copy_seconds(*ids, nbytes, args.iters) * 1e6
+        return peer_copy_seconds(*ids, nbytes, args.iters) * 1e6
 
     payload = {
-        **provenance("python -m jax_ep.bench " + " ".join(sys.argv[1:])),
+        **provenance("python -m bench.exchange " + " ".join(sys.argv[1:])),
         "ranks": ranks,
         "platform": args.platform,
         "routing": "uniform random top-k, distinct experts, shifted by the iteration index",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -71,24 +72,42 @@ def sources(start: Path | None = None) -> str:
 
 def provenance(command: str) -> dict:
     """Who and what produced a result: the exact command, git commit, the hash of the sources that ran
-    (`sources`), devices and library versions."""
+    (`sources`), devices, library versions, and whether backend "cuda" could run (``jax_ep.cuda_available()``)."""
     import jax
 
-    from jax_ep.ep import group as _group
+    import jax_ep
 
-    info = {
+    return {
         "command": os.environ.get("JAX_EP_COMMAND") or command,
         "commit": os.environ.get("JAX_EP_COMMIT") or _git_commit(),
         "sources": sources(),
         "devices": _nvidia_smi() or [str(d) for d in jax.devices()],
         "jax": jax.__version__,
         "python": sys.version.split()[0],
-        "cuda_extension": _group.available(),
+        "cuda_available": jax_ep.cuda_available(),
+        "nccl": _nccl_version(),
     }
-    if _group.available():
-        info["nccl"] = _group.nccl_version()
-        info["cuda_runtime"], info["cuda_driver"] = _group.cuda_versions()
-    return info
+
+
+def _nccl_version() -> int | None:
+    """The version code of the ``libnccl.so.2`` this process resolves by soname (the copy jax's CUDA plugin and
+    jax_ep's extension load), e.g. 22809 for 2.28.9; else the ``nvidia-nccl`` wheel's; None without either."""
+    candidates = ["libnccl.so.2"]
+    try:
+        import nvidia.nccl
+
+        candidates += [str(Path(folder) / "lib" / "libnccl.so.2") for folder in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    for name in candidates:
+        try:
+            library = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int()
+        if library.ncclGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    return None
 
 
 def _git_commit() -> str:
@@ -104,5 +123,5 @@ def write(path: Path, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-if __name__ == "__main__":  # python -m jax_ep.bench.record [ROOT]: the sources hash of a checkout or copy
+if __name__ == "__main__":  # python -m bench.record [ROOT]: the sources hash of a checkout or copy
     print(sources(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -1,4 +1,4 @@
-"""The benchmark's measuring tools, shared by ``python -m jax_ep.bench``, its multi-process variant and bench/*.py.
+"""The benchmarks' measuring tools, shared by ``python -m bench.exchange``, its multi-process variant and bench/*.py.
 
 * :func:`seconds_per_call`: device seconds of one call of a step, from jitted loops of static trip count.
 * :func:`make_inputs`: uniform random top-k routing with distinct experts per token, bf16 tokens.
@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.bench.ragged_baseline import ragged_roundtrip
+from bench.ragged_baseline import ragged_roundtrip
 
 TOPK, EXPERTS = 8, 256
 HIDDEN = 7168
@@ -105,12 +105,15 @@ def time_backend(
     The routing shifts by the iteration index (``(idx + i) % E``, still distinct experts per token), so
     nothing is loop-invariant. The dispatch step reads one row of ``d.x`` and ``d.weights``; the combine step
     combines the rows of one dispatch, with its weights made loop-variant (times ``1 + 0 * i``), and reads one
-    row of the result. Both times include those small XLA ops.
+    row of the result. Both times include those small XLA ops. ``wire_dtype`` and ``partial_dtype`` reach the ops
+    only when set, so the same method also times builds whose ops lack them (bench/compare_builds.py).
     """
     ranks = jax.sharding.get_abstract_mesh().shape["ep"]
     t = x.shape[0] // ranks
     kw = dict(num_experts=EXPERTS, axis_name="ep", layout=layout, capacity=capacity, backend=backend)
-    kw["wire_dtype"] = wire_dtype
+    if wire_dtype is not None:
+        kw["wire_dtype"] = wire_dtype
+    combine_kw = {} if partial_dtype is None else {"partial_dtype": partial_dtype}
 
     def dispatch(i, x, idx, w):
         return jax_ep.dispatch(x, (idx + i) % EXPERTS, w, **kw)
@@ -129,7 +132,7 @@ def time_backend(
 
     def combine_step(i, y, handle, weights):
         weights = weights * (1.0 + i.astype(jnp.float32) * 0.0)
-        out = jax_ep.combine(y, handle, weights=weights, partial_dtype=partial_dtype)
+        out = jax_ep.combine(y, handle, weights=weights, **combine_kw)
         return jnp.sum(out[i % t].astype(jnp.float32))
 
     steps = [("dispatch_us", dispatch_step, (x, idx, w)), ("combine_us", combine_step, (y, handle, y_weights))]
@@ -168,32 +171,3 @@ def transport_facts(transport: str) -> dict:
         "nccl_ranks": {str(device): list(ranks) for device, ranks in jax_ep.nccl_ranks().items()},
         "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", ""),
     }
-
-
-def _copy_timing():
-    """The benchmarks' timing module, ``jax_ep.bench._copy_timing`` (ffi/bench/copy_timing.cc)."""
-    try:
-        from jax_ep.bench import _copy_timing
-    except ImportError as error:
-        raise RuntimeError(
-            "jax_ep.bench: copy_seconds and fill_seconds need jax_ep.bench._copy_timing, which is built with the CUDA "
-            f"extension (JAX_EP_CUDA=ON; BUILD.md) and needs the CUDA runtime: {error}"
-        ) from error
-    return _copy_timing
-
-
-def copy_seconds(src_ordinal: int, dst_ordinal: int, nbytes: int, iters: int) -> float:
-    """Seconds per ``cudaMemcpyPeerAsync`` of ``nbytes`` between two local GPUs (CUDA events, mean of ``iters``).
-
-    With ``src_ordinal == dst_ordinal`` it is a device-to-device copy on one GPU: ``nbytes`` read and written.
-    Needs ``jax_ep.bench._copy_timing``, built with the CUDA extension.
-    """
-    return _copy_timing().peer_copy_seconds(src_ordinal, dst_ordinal, nbytes, iters)
-
-
-def fill_seconds(ordinal: int, nbytes: int, iters: int) -> float:
-    """Seconds per ``cudaMemsetAsync`` of ``nbytes`` on one GPU (CUDA events, mean of ``iters``): writes only.
-
-    Needs ``jax_ep.bench._copy_timing``, built with the CUDA extension.
-    """
-    return _copy_timing().fill_seconds(ordinal, nbytes, iters)

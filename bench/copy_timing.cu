@@ -1,24 +1,22 @@
-// The benchmarks' yardsticks, jax_ep.bench._copy_timing: the seconds of a peer copy and of a fill, timed with CUDA
-// events. Only the CUDA runtime: no XLA or NCCL headers, and nothing the library itself uses.
+// The benchmarks' yardsticks: the seconds of a peer copy and of a fill, timed with CUDA events. Only the CUDA
+// runtime, and a C interface: bench/copy_timing.py compiles this file with nvcc into a shared library on first use
+// and calls it through ctypes, so that none of it ships in jax_ep's wheel.
 #include <cuda_runtime.h>
-#include <nanobind/nanobind.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
-namespace nb = nanobind;
-
 namespace {
 
 void Check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string("jax_ep timing: ") + what + ": " +
-                                                      cudaGetErrorString(status));
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
 // What a timing helper made (device memory, a stream, events) and the device it found current: released and
@@ -52,7 +50,6 @@ struct TimingScratch {
 // two CUDA events.
 template <typename Enqueue>
 double SecondsPer(TimingScratch& scratch, int iters, Enqueue enqueue) {
-  if (iters < 1) throw nb::value_error("jax_ep timing: iters must be at least 1");
   Check(cudaStreamCreate(&scratch.stream), "cudaStreamCreate");
   Check(cudaEventCreate(&scratch.start), "cudaEventCreate");
   Check(cudaEventCreate(&scratch.stop), "cudaEventCreate");
@@ -79,33 +76,54 @@ void FillRandom(void* device_pointer, size_t bytes) {
   }
 }
 
-// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
-// exchange with.
-double PeerCopySeconds(int src, int dst, size_t bytes, int iters) {
-  TimingScratch scratch;
-  void* to = scratch.Allocate(dst, bytes);
-  void* from = scratch.Allocate(src, bytes);
-  FillRandom(from, bytes);
-  cudaDeviceEnablePeerAccess(dst, 0);
-  cudaGetLastError();  // already enabled, or the same GPU: not an error here
-  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
-    Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
-  });
-}
-
-// Seconds per cudaMemsetAsync of `bytes` on GPU `device`: writes only, the ceiling of an op that mostly writes.
-double FillSeconds(int device, size_t bytes, int iters) {
-  TimingScratch scratch;
-  void* to = scratch.Allocate(device, bytes);
-  int value = 0;
-  return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
-    Check(cudaMemsetAsync(to, 0x40 + (value++ & 0x1f), bytes, stream), "cudaMemsetAsync");
-  });
+// Runs `measure`, storing its seconds; on an error, its message goes to `error` (`error_size` bytes) and the
+// result is 1.
+template <typename Measure>
+int Report(Measure measure, double* seconds, char* error, size_t error_size) {
+  try {
+    *seconds = measure();
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(error, error_size, "%s", e.what());
+    return 1;
+  }
 }
 
 }  // namespace
 
-NB_MODULE(_copy_timing, m) {
-  m.def("peer_copy_seconds", &PeerCopySeconds, nb::arg("src"), nb::arg("dst"), nb::arg("bytes"), nb::arg("iters"));
-  m.def("fill_seconds", &FillSeconds, nb::arg("device"), nb::arg("bytes"), nb::arg("iters"));
+extern "C" {
+
+// Seconds per cudaMemcpyPeerAsync of `bytes` from GPU src to GPU dst: the yardstick the benchmarks compare the
+// exchange with. With src == dst, a device-to-device copy on one GPU.
+int jax_ep_bench_peer_copy_seconds(int src, int dst, size_t bytes, int iters, double* seconds, char* error,
+                                   size_t error_size) {
+  return Report(
+      [&] {
+        TimingScratch scratch;
+        void* to = scratch.Allocate(dst, bytes);
+        void* from = scratch.Allocate(src, bytes);
+        FillRandom(from, bytes);
+        cudaDeviceEnablePeerAccess(dst, 0);
+        cudaGetLastError();  // already enabled, or the same GPU: not an error here
+        return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
+          Check(cudaMemcpyPeerAsync(to, dst, from, src, bytes, stream), "cudaMemcpyPeerAsync");
+        });
+      },
+      seconds, error, error_size);
 }
+
+// Seconds per cudaMemsetAsync of `bytes` on GPU `device`: writes only, the ceiling of an op that mostly writes.
+int jax_ep_bench_fill_seconds(int device, size_t bytes, int iters, double* seconds, char* error, size_t error_size) {
+  return Report(
+      [&] {
+        TimingScratch scratch;
+        void* to = scratch.Allocate(device, bytes);
+        int value = 0;
+        return SecondsPer(scratch, iters, [&](cudaStream_t stream) {
+          Check(cudaMemsetAsync(to, 0x40 + (value++ & 0x1f), bytes, stream), "cudaMemsetAsync");
+        });
+      },
+      seconds, error, error_size);
+}
+
+}  // extern "C"
