@@ -29,6 +29,7 @@ struct DispatchAttrs {
   int64_t capacity;     // C
   int64_t alignment;    // expert_alignment
   bool expert_layout;   // layout "expert" (else "ragged")
+  bool balanced;        // drop_policy "balanced" (else "expert")
 };
 struct CombineAttrs {
   int64_t group, site;
@@ -46,7 +47,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::DispatchAttrs, ::xla::ffi::StructM
                                       ::xla::ffi::StructMember<int64_t>("num_experts"),
                                       ::xla::ffi::StructMember<int64_t>("capacity"),
                                       ::xla::ffi::StructMember<int64_t>("alignment"),
-                                      ::xla::ffi::StructMember<bool>("expert_layout"));
+                                      ::xla::ffi::StructMember<bool>("expert_layout"),
+                                      ::xla::ffi::StructMember<bool>("balanced"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ep::CombineAttrs, ::xla::ffi::StructMember<int64_t>("group"),
                                       ::xla::ffi::StructMember<int64_t>("site"),
                                       ::xla::ffi::StructMember<bool>("partial_f32"),
@@ -200,7 +202,8 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
                     .capacity = attrs.capacity,
                     .alignment = attrs.alignment,
                     .num_rows = attrs.expert_layout ? L * attrs.capacity : attrs.capacity,
-                    .expert_layout = attrs.expert_layout};
+                    .expert_layout = attrs.expert_layout,
+                    .balanced = attrs.balanced};
   auto rets = std::tie(results...);
   constexpr size_t kReceived = kDispatchReceived, kRouted = kDispatchRouted;
   if constexpr (kPhase == Phase::kWhole) {
