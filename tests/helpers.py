@@ -149,9 +149,13 @@ def assert_dispatch_equal(got: jax_ep.Dispatched, want: Any) -> None:
     The ragged layout's rows past ``sum(group_sizes)`` are unspecified (SPEC v2), so ``x`` is compared only
     before them; ``weights`` must be 0 there, so it is compared everywhere.
     """
-    for field in ("group_sizes", "weights", "num_dropped", "num_invalid"):
+    for field in ("group_sizes", "weights", "num_dropped", "num_invalid", "expert_load"):
         assert_bits_equal(getattr(got, field), getattr(want, field), err_msg=field)
     assert_bits_equal(specified(got.x, got.group_sizes), specified(want.x, want.group_sizes), err_msg="x")
+    if want.row_expert is None:
+        assert got.row_expert is None, "row_expert: None in the expert layout"
+    else:
+        assert_bits_equal(got.row_expert, want.row_expert, err_msg="row_expert")
 
 
 def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, eps: float, err_msg: str = "") -> None:

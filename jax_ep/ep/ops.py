@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from .._validate import check_array, check_choice, check_float_dtype, check_positive_int
 from . import backends, fp8
 from .types import (
+    DROP_POLICIES,
     LAYOUTS,
     CombineStarted,
     Config,
@@ -82,6 +83,7 @@ def dispatch(
     layout: str = "ragged",
     capacity: int | None = None,
     expert_alignment: int = 1,
+    drop_policy: str = "balanced",
     wire_dtype: Any = None,
     backend: str = "auto",
     transfer: str = "fused",
@@ -104,6 +106,13 @@ def dispatch(
         ``None`` is :func:`default_capacity`. Slots that do not fit are
         dropped and counted in ``num_dropped``.
       expert_alignment: ragged segments are padded to a multiple of this.
+      drop_policy: which slots a too-small ragged ``capacity`` keeps: within
+        each local expert always its first ones in (source rank, token, k)
+        order. ``"balanced"``: expert ``j`` keeps ``min(n_j, c)`` of its
+        ``n_j`` slots, ``c`` the largest integer with
+        ``sum_j align_up(min(n_j, c), expert_alignment) <= C``. ``"expert"``:
+        the first ``C`` rows of the layout without a capacity. The expert
+        layout keeps each expert's first ``C`` slots under either.
       wire_dtype: None (rows travel in ``x``'s dtype) or ``jnp.float8_e4m3fn``:
         rows travel as e4m3 with one float32 scale per 128 values (``H`` a
         multiple of 128) and ``x`` comes back dequantized; the gradient passes
@@ -121,7 +130,17 @@ def dispatch(
       field ``"jax_ep_handle"`` (``jax.ad_checkpoint.checkpoint_name``).
     """
     config = _dispatch_config(
-        x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+        x,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        axis_name,
+        layout,
+        capacity,
+        expert_alignment,
+        drop_policy,
+        wire_dtype,
+        backend,
     )
     check_choice("transfer", transfer, TRANSFERS)
     if transfer == "separate" and config.backend == "cuda" and config.wire_dtype is not None:
@@ -132,20 +151,43 @@ def dispatch(
         )
     with jax.named_scope("jax_ep.dispatch"):
         if transfer == "fused":
-            return _named(_dispatch(config, x, topk_idx, topk_weights))
-        routed = _named(_route(config, topk_idx, topk_weights))
+            return _finished(config, _dispatch(config, x, topk_idx, topk_weights))
+        routed = _finished(config, _route(config, topk_idx, topk_weights))
         rows = _transfer(config, RowType(x.shape[1], jnp.dtype(x.dtype)), x, routed.handle)
         return dataclasses.replace(routed, x=checkpoint_name(rows.reshape(config.layout_shape(x.shape[1])), ROWS))
 
 
-def _named(d: Dispatched) -> Dispatched:
-    """``d`` with its fields named for ``jax.checkpoint`` policies: ``x`` ROWS, the others HANDLE."""
+def _finished(config: Config, d: Dispatched) -> Dispatched:
+    """A backend's dispatch with ``row_expert`` filled in and its fields named for ``jax.checkpoint`` policies:
+    ``x`` ROWS, the others HANDLE."""
+    d = dataclasses.replace(d, row_expert=_row_expert(config, d.group_sizes))
     rest = checkpoint_name(dataclasses.replace(d, x=None), HANDLE)
     return dataclasses.replace(rest, x=checkpoint_name(d.x, ROWS))
 
 
+def _row_expert(config: Config, group_sizes: jax.Array) -> jax.Array | None:
+    """Ragged: ``[C]`` int32, the local expert of each row, -1 past ``sum(group_sizes)``; expert layout: None."""
+    if config.layout != "ragged":
+        return None
+    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+    rows = jax.lax.iota(jnp.int32, config.capacity)
+    # Row i lies in segment j when j segments end at or before it (empty segments end where the previous one does).
+    expert = jnp.searchsorted(ends, rows, side="right", method="scan_unrolled").astype(jnp.int32)
+    return jnp.where(expert < config.local_experts, expert, -1)
+
+
 def _dispatch_config(
-    x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+    x,
+    topk_idx,
+    topk_weights,
+    num_experts,
+    axis_name,
+    layout,
+    capacity,
+    expert_alignment,
+    drop_policy,
+    wire_dtype,
+    backend,
 ) -> Config:
     """The checked arguments of a dispatch (or dispatch_start) as its static Config."""
     check_array("x", x, ndim=2, kind="floating")
@@ -155,6 +197,7 @@ def _dispatch_config(
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
+    check_choice("drop_policy", drop_policy, DROP_POLICIES)
     wire = fp8.check_wire_dtype(wire_dtype, hidden)
     if capacity is not None:
         capacity = check_positive_int("capacity", capacity)
@@ -163,9 +206,9 @@ def _dispatch_config(
     topk = topk_idx.shape[1]
     if capacity is None:
         capacity = _capacity(num_ranks, num_tokens, topk, num_experts, layout, expert_alignment)
-    # Alignment beyond the capacity pads nothing more (every row past C is cut): the same layout, and segment
-    # starts that stay small.
-    expert_alignment = min(expert_alignment, capacity)
+    # An alignment past the capacity fits no segment of a slot: C + 1 keeps both drop policies' layouts (nothing
+    # kept under "balanced", every row past C cut under "expert") with segment starts that stay small.
+    expert_alignment = min(expert_alignment, capacity + 1)
     resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
     return Config(
         axis_name=axis_name,
@@ -179,6 +222,7 @@ def _dispatch_config(
         backend=resolved,
         group=group,
         wire_dtype=None if wire is None else wire.name,
+        drop_policy=drop_policy,
     )
 
 
@@ -349,7 +393,7 @@ def dispatch_finish(pending: PendingDispatch) -> Dispatched:
             f"jax_ep.dispatch_finish: expected what jax_ep.dispatch_start returned, got {type(pending).__name__}"
         )
     with jax.named_scope("jax_ep.dispatch_finish"):
-        return _named(_dispatch_finish(pending.config, pending.x_type, pending.started))
+        return _finished(pending.config, _dispatch_finish(pending.config, pending.x_type, pending.started))
 
 
 def combine_start(

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 
 LAYOUTS = ("ragged", "expert")
+DROP_POLICIES = ("balanced", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Config:
     backend: str  # resolved: "xla" or "cuda"
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
+    drop_policy: str = "balanced"  # which slots a too-small ragged capacity keeps: "balanced" or "expert"
 
     @property
     def local_experts(self) -> int:
@@ -106,7 +108,16 @@ class Dispatched:
       not fit in the capacity.
     * ``num_invalid``: int32 scalar, slots of this rank's ``topk_idx`` that are
       neither -1 nor a valid expert id.
+    * ``expert_load``: ``[L]`` int32, the valid slots that all ranks routed to
+      each local expert, counted before capacity: ``sum(expert_load)`` is the
+      slots kept plus ``num_dropped``.
     * ``handle``: :class:`Handle`, for :func:`jax_ep.combine`.
+    * ``row_expert``: ragged: ``[C]`` int32, the local expert of each row
+      (alignment padding included), -1 past ``sum(group_sizes)``; derived
+      from ``group_sizes`` by :func:`jax_ep.dispatch`. Expert: None (row ``i``
+      of ``x[j]`` belongs to expert ``j``).
+
+    A backend returns ``row_expert`` None; the public ops fill it in.
     """
 
     x: jax.Array
@@ -114,7 +125,9 @@ class Dispatched:
     group_sizes: jax.Array
     num_dropped: jax.Array
     num_invalid: jax.Array
+    expert_load: jax.Array
     handle: Handle
+    row_expert: jax.Array | None = None
 
 
 class RowType(NamedTuple):

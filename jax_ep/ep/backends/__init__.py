@@ -31,10 +31,12 @@ class Backend(Protocol):
     """
 
     def dispatch(self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-        """The whole dispatch: layout rows, weights, sizes and the handle."""
+        """The whole dispatch: layout rows, weights, sizes, ``expert_load`` and the handle, under
+        ``config.drop_policy``. ``row_expert`` stays None: the public ops derive it from ``group_sizes``."""
 
     def route(self, config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-        """A dispatch that moves no rows (``x`` has no columns): the routing, weights, sizes and handle."""
+        """A dispatch that moves no rows (``x`` has no columns): the routing, weights, sizes, ``expert_load`` and
+        handle."""
 
     def transfer(self, handle: Handle, rows: jax.Array) -> jax.Array:
         """Token rows ``[T, W]`` along ``handle``: layout rows ``[N, W]``, as a dispatch moves them; 0 where no
@@ -57,7 +59,8 @@ class Backend(Protocol):
         self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
     ) -> DispatchStarted: ...
 
-    def dispatch_finish(self, config: Config, started: DispatchStarted) -> Dispatched: ...
+    def dispatch_finish(self, config: Config, started: DispatchStarted) -> Dispatched:
+        """What :meth:`dispatch` returns, ``expert_load`` included."""
 
     def dispatch_finish_backward(self, handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
         """The cotangent of ``started``."""

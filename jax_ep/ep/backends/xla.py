@@ -85,6 +85,7 @@ def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispa
         group_sizes=rows.group_sizes,
         num_dropped=rows.num_dropped,
         num_invalid=local.num_invalid,
+        expert_load=rows.expert_load,
         handle=handle,
     )
 
