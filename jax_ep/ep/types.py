@@ -32,6 +32,17 @@ class Config:
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
     drop_policy: str = "balanced"  # which slots a too-small ragged capacity keeps: "balanced" or "expert"
+    token_shape: tuple[int, ...] | None = None  # the leading dimensions B of dispatch's x; None: (num_tokens,)
+
+    @property
+    def empty(self) -> bool:
+        """No slots at all (T = 0 or K = 0): nothing travels, and no backend runs."""
+        return self.num_tokens == 0 or self.topk == 0
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading dimensions of dispatch's ``x`` (and of combine's output): ``B``, ``prod(B) = T``."""
+        return (self.num_tokens,) if self.token_shape is None else self.token_shape
 
     @property
     def local_experts(self) -> int:
