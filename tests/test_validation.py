@@ -219,12 +219,19 @@ def test_unknown_drop_policy(policy):
     "kwargs",
     [
         dict(drop_policy="expert"),
+        dict(partial_dtype=jnp.float32),
         dict(layout="expert", drop_policy="balanced"),
     ],
     ids=str,
 )
 def test_version_3_keywords_trace(kwargs):
     assert trace_dispatch(**kwargs).shape[-1] == H
+
+
+@pytest.mark.parametrize(("partial_dtype", "shown"), [(jnp.int32, "int32"), ("foo", "foo")])
+def test_dispatch_partial_dtype_not_floating(partial_dtype, shown):
+    with pytest.raises(TypeError, match=mentions("partial_dtype", shown) + FLOATING):
+        trace_dispatch(partial_dtype=partial_dtype)
 
 
 # --- axis_name -------------------------------------------------------------------------------------------------------

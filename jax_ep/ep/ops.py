@@ -88,6 +88,7 @@ def dispatch(
     capacity: int | None = None,
     expert_alignment: int = 1,
     drop_policy: str = "balanced",
+    partial_dtype: Any = None,
     wire_dtype: Any = None,
     backend: str = "auto",
     transfer: str = "fused",
@@ -120,6 +121,9 @@ def dispatch(
         ``sum_j align_up(min(n_j, c), expert_alignment) <= C``. ``"expert"``:
         the first ``C`` rows of the layout without a capacity. The expert
         layout keeps each expert's first ``C`` slots under either.
+      partial_dtype: the ``partial_dtype`` of the backward pass, a combine of
+        the cotangent of ``Dispatched.x`` (None: its dtype);
+        ``jnp.float32`` makes ``dx`` the float32 sum over slots, rounded once.
       wire_dtype: None (rows travel in ``x``'s dtype) or ``jnp.float8_e4m3fn``:
         rows travel as e4m3 with one float32 scale per 128 values (``H`` a
         multiple of 128) and ``x`` comes back dequantized; the gradient passes
@@ -146,6 +150,7 @@ def dispatch(
         capacity=capacity,
         expert_alignment=expert_alignment,
         drop_policy=drop_policy,
+        partial_dtype=partial_dtype,
         wire_dtype=wire_dtype,
         backend=backend,
     )
@@ -197,6 +202,7 @@ def _dispatch_config(
     capacity,
     expert_alignment,
     drop_policy,
+    partial_dtype,
     wire_dtype,
     backend,
 ) -> Config:
@@ -216,6 +222,8 @@ def _dispatch_config(
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
     check_choice("drop_policy", drop_policy, DROP_POLICIES)
+    if partial_dtype is not None:
+        partial_dtype = check_float_dtype("partial_dtype", partial_dtype).name
     wire = fp8.check_wire_dtype(wire_dtype, hidden)
     if capacity is not None:
         capacity = check_positive_int("capacity", capacity)
@@ -241,6 +249,7 @@ def _dispatch_config(
         group=group,
         wire_dtype=None if wire is None else wire.name,
         drop_policy=drop_policy,
+        partial_dtype=partial_dtype,
         token_shape=token_shape,
     )
 
@@ -367,7 +376,8 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 def _dispatch_bwd(config, handle, cotangent):
     rows_ct = cotangent.x.reshape(config.num_rows, cotangent.x.shape[-1])
     backend = backends.module(config.backend)
-    dx, dtopk_weights = backend.combine(handle, rows_ct, None, rows_ct.dtype, cotangent.weights.reshape(-1))
+    partial = config.partial_dtype or rows_ct.dtype
+    dx, dtopk_weights = backend.combine(handle, rows_ct, None, partial, cotangent.weights.reshape(-1))
     return dx, None, dtopk_weights
 
 
@@ -408,7 +418,7 @@ def _transfer_fwd(config, x_type, x, handle):
 
 
 def _transfer_bwd(config, x_type, handle, rows_ct):
-    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, rows_ct.dtype)
+    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, config.partial_dtype or rows_ct.dtype)
     return dx, None
 
 

@@ -32,6 +32,7 @@ class Config:
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
     drop_policy: str = "balanced"  # which slots a too-small ragged capacity keeps: "balanced" or "expert"
+    partial_dtype: str | None = None  # dispatch's backward pass (a combine): its partial sums' dtype; None: the rows'
     token_shape: tuple[int, ...] | None = None  # the leading dimensions B of dispatch's x; None: (num_tokens,)
 
     @property

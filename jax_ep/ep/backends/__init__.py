@@ -63,7 +63,9 @@ class Backend(Protocol):
         """What :meth:`dispatch` returns, ``expert_load`` included."""
 
     def dispatch_finish_backward(self, handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
-        """The cotangent of ``started``."""
+        """The cotangent of ``started``: the start of a combine of the cotangent rows whose partial sums travel in
+        ``handle.config.partial_dtype`` (dispatch's; None: ``rows_ct``'s dtype), as ops.py's whole-op backward
+        passes ask :meth:`combine` for."""
 
     def dispatch_start_backward(
         self, config: Config, started: DispatchStarted, dstarted: DispatchStarted, x_type: RowType

@@ -186,7 +186,7 @@ def dispatch_finish(config: Config, started: DispatchStarted) -> Dispatched:
 
 
 def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
-    dx, dweights = combine(handle, rows_ct, None, rows_ct.dtype, weights_ct)
+    dx, dweights = combine(handle, rows_ct, None, handle.config.partial_dtype or rows_ct.dtype, weights_ct)
     return DispatchStarted(None, None, dweights, dx)
 
 
