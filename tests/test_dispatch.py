@@ -357,13 +357,18 @@ def _producer(jaxpr, var) -> str:
                 if inner is not None:
                     inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
                     return _producer(inner, inner.outvars[index])
+            if "branches" in eqn.params:  # a cond (the xla exchange by platform): every branch must agree
+                found = {_producer(b.jaxpr, b.jaxpr.outvars[index]) for b in eqn.params["branches"]}
+                assert len(found) == 1, f"the branches compute it differently: {found}"
+                return found.pop()
             return eqn.primitive.name
     raise AssertionError(f"nothing in the jaxpr computes {var}")
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_xla_row_slot_is_the_scatter_output(layout):
-    """Backend xla: Handle.row_slot is the output of the scatter that places the slots, as it was at fb4c00b.
+    """Backend xla: Handle.row_slot is the output of the scatter that places the slots, as it was at fb4c00b (with
+    either exchange: the default picks one by platform).
 
     739ecb8 marked the ragged rows past the data -2 with a select on that scatter's result; XLA fused the
     select, which reads sum(group_sizes), into every consumer of row_slot and of d.x (a gather of each token's

@@ -215,23 +215,30 @@ def test_unknown_drop_policy(policy):
         trace_dispatch(drop_policy=policy)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(drop_policy="expert"),
-        dict(partial_dtype=jnp.float32),
-        dict(layout="expert", drop_policy="balanced"),
-    ],
-    ids=str,
-)
-def test_version_3_keywords_trace(kwargs):
-    assert trace_dispatch(**kwargs).shape[-1] == H
+def test_unknown_xla_exchange():
+    with pytest.raises(ValueError, match=mentions("xla_exchange", "auto", "dense", "ragged", "'sparse'")):
+        trace_dispatch(xla_exchange="sparse")
 
 
 @pytest.mark.parametrize(("partial_dtype", "shown"), [(jnp.int32, "int32"), ("foo", "foo")])
 def test_dispatch_partial_dtype_not_floating(partial_dtype, shown):
     with pytest.raises(TypeError, match=mentions("partial_dtype", shown) + FLOATING):
         trace_dispatch(partial_dtype=partial_dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(drop_policy="expert"),
+        dict(partial_dtype=jnp.float32),
+        dict(xla_exchange="dense"),
+        dict(xla_exchange="ragged"),
+        dict(layout="expert", drop_policy="balanced"),
+    ],
+    ids=str,
+)
+def test_version_3_keywords_trace(kwargs):
+    assert trace_dispatch(**kwargs).shape[-1] == H
 
 
 # --- axis_name -------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from . import backends, fp8
 from .types import (
     DROP_POLICIES,
     LAYOUTS,
+    XLA_EXCHANGES,
     CombineStarted,
     Config,
     Dispatched,
@@ -92,6 +93,7 @@ def dispatch(
     wire_dtype: Any = None,
     backend: str = "auto",
     transfer: str = "fused",
+    xla_exchange: str = "auto",
 ) -> Dispatched:
     """Send each token to the ranks of its top-k experts.
 
@@ -134,6 +136,11 @@ def dispatch(
         handle in another, so that a ``jax.checkpoint`` that saves
         ``"jax_ep_handle"`` recomputes only the rows' transfer. Both give the
         same results and gradients bit for bit.
+      xla_exchange: how the xla backend moves tokens: ``"dense"`` (a
+        ``[R, T, H]`` buffer per trip, ``lax.all_to_all``), ``"ragged"`` (each
+        (token, destination rank) pair once, ``lax.ragged_all_to_all``) or
+        ``"auto"``: ragged on TPU, dense elsewhere. The same results bit for
+        bit; the cuda backend ignores it.
 
     Returns:
       A :class:`Dispatched`; see its docstring for shapes. Under
@@ -153,6 +160,7 @@ def dispatch(
         partial_dtype=partial_dtype,
         wire_dtype=wire_dtype,
         backend=backend,
+        xla_exchange=xla_exchange,
     )
     check_choice("transfer", transfer, TRANSFERS)
     if transfer == "separate" and config.backend == "cuda" and config.wire_dtype is not None:
@@ -205,6 +213,7 @@ def _dispatch_config(
     partial_dtype,
     wire_dtype,
     backend,
+    xla_exchange,
 ) -> Config:
     """The checked arguments of a dispatch (or dispatch_start) as its static Config."""
     check_array("x", x, kind="floating")
@@ -222,6 +231,7 @@ def _dispatch_config(
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
     check_choice("drop_policy", drop_policy, DROP_POLICIES)
+    check_choice("xla_exchange", xla_exchange, XLA_EXCHANGES)
     if partial_dtype is not None:
         partial_dtype = check_float_dtype("partial_dtype", partial_dtype).name
     wire = fp8.check_wire_dtype(wire_dtype, hidden)
@@ -250,6 +260,7 @@ def _dispatch_config(
         wire_dtype=None if wire is None else wire.name,
         drop_policy=drop_policy,
         partial_dtype=partial_dtype,
+        xla_exchange=xla_exchange,
         token_shape=token_shape,
     )
 

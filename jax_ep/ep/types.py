@@ -10,6 +10,7 @@ import jax
 
 LAYOUTS = ("ragged", "expert")
 DROP_POLICIES = ("balanced", "expert")
+XLA_EXCHANGES = ("auto", "dense", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Config:
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
     drop_policy: str = "balanced"  # which slots a too-small ragged capacity keeps: "balanced" or "expert"
     partial_dtype: str | None = None  # dispatch's backward pass (a combine): its partial sums' dtype; None: the rows'
+    xla_exchange: str = "auto"  # backend "xla": "dense", "ragged", or "auto" (ragged on TPU, dense elsewhere)
     token_shape: tuple[int, ...] | None = None  # the leading dimensions B of dispatch's x; None: (num_tokens,)
 
     @property
