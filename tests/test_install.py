@@ -116,7 +116,7 @@ def test_the_provider_runs_before_anything_is_installed(tmp_path):
 
 def test_the_version_is_written_once():
     """jax_ep/__init__.py holds the version; pyproject.toml reads it (no static version) and CHANGELOG.md's newest
-    entry names it."""
+    versioned entry names it (an "Unreleased" section above it collects what comes next)."""
     import re
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -124,5 +124,5 @@ def test_the_version_is_written_once():
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     regex = project["tool"]["scikit-build"]["metadata"]["version"]
     assert regex["provider"] == "scikit_build_core.metadata.regex" and regex["input"] == "jax_ep/__init__.py"
-    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
+    newest = re.search(r"^## (?!Unreleased\b)(\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE).group(1)
     assert newest == jax_ep.__version__
