@@ -23,7 +23,7 @@ CASES = [
     slow("expert", "random", 4, 12, 1),
     slow("expert", "invalid", 8, 10, 3),
     slow("balanced", "skewed", 2, 9, 1),
-    *(slow(policy, *case) for policy in ("balanced", "expert") for case in (("random", 2, 40, 4), ("skewed", 4, 7, 2))),
+    *(slow(policy, *case) for policy in ("balanced", "expert") for case in (("random", 2, 28, 4), ("skewed", 4, 7, 2))),
     slow("balanced", "random", 1, 5, 1),
 ]
 
