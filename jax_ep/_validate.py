@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_positive_int(name: str, value: Any) -> int:
-    """``value`` is an integer (Python or NumPy, not bool) >= 1; returns it as a Python int."""
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` is an integer (Python or NumPy, not bool) >= ``minimum`` (1 or 0); returns it as a Python int."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"jax_ep: {name} must be an int, got {value!r} of type {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"jax_ep: {name} must be a positive int, got {value}")
+    if value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"jax_ep: {name} must be {what}, got {value}")
     return int(value)
 
 
@@ -35,7 +36,8 @@ def check_array(
     dtype: Any = None,
     kind: str | None = None,
 ) -> None:
-    """``value`` is an array of the given rank, exact shape, leading dims, dtype or dtype kind."""
+    """``value`` is an array of the given rank, exact shape, leading dims, dtype or dtype kind (``"floating"`` or
+    ``"integer"``, bool not included)."""
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TypeError(f"jax_ep: {name} must be an array, got {type(value).__name__}")
     if shape is not None and tuple(value.shape) != tuple(shape):
@@ -50,6 +52,8 @@ def check_array(
         raise TypeError(f"jax_ep: {name} must have dtype {jnp.dtype(dtype).name}, got {value.dtype}")
     if kind == "floating" and not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(f"jax_ep: {name} must have a floating dtype, got {value.dtype}")
+    if kind == "integer" and not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"jax_ep: {name} must have an integer dtype, got {value.dtype}")
 
 
 def check_float_dtype(name: str, value: Any) -> jnp.dtype:

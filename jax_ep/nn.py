@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -17,13 +18,14 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._validate import check_choice, check_positive_int
+from ._validate import check_choice, check_float_dtype, check_positive_int
 from .ep.fp8 import check_wire_dtype
 from .ep.ops import HANDLE, ROWS, combine, dispatch, dispatch_finish, dispatch_start
 from .ep.types import LAYOUTS
 from .gmm.mlp import grouped_mlp, mlp
 
-ROUTERS = ("softmax", "sigmoid")
+ROUTERS = ("softmax", "sigmoid", "softmax_topk")
+Router = Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 # MoE's remat choices and the jax.checkpoint policy of each (over the names jax_ep.dispatch gives its outputs).
 REMATS = {
     None: None,
@@ -111,11 +113,20 @@ class MoE(nnx.Module):
     * ``"sigmoid"``: ``s = sigmoid(logits)``; the top-k of ``s`` are the
       experts, the weights are those scores divided by their sum;
       ``p = s / sum(s)`` for the auxiliary loss.
+    * ``"softmax_topk"``: the top-k of the logits are the experts, the
+      weights a softmax over those ``k`` logits (Mixtral; Qwen3 with
+      ``norm_topk_prob``); ``p = softmax(logits)`` for the auxiliary loss.
+    * a callable ``logits [T, E] float32 -> (topk_weights [T, K], topk_idx
+      [T, K], aux_loss [])`` on each rank's ``T`` tokens: weights of any
+      floating dtype, ids of any integer dtype (as :func:`jax_ep.dispatch`
+      takes them), ``aux_loss`` a scalar. The layer's ``aux_loss`` is its mean
+      over the token shards.
 
-    The auxiliary loss is Switch-style, ``E * sum_e f_e * P_e``, with ``f_e``
-    the share of the ``N * K`` routing slots that chose expert ``e`` and
-    ``P_e`` the mean of ``p[:, e]`` over the ``N`` tokens of the call; it is 1
-    for perfectly even routing. Only ``P_e`` carries gradient.
+    The auxiliary loss of the named routers is Switch-style,
+    ``E * sum_e f_e * P_e``, with ``f_e`` the share of the ``N * K`` routing
+    slots that chose expert ``e`` and ``P_e`` the mean of ``p[:, e]`` over the
+    ``N`` tokens of the call; it is 1 for perfectly even routing. Only ``P_e``
+    carries gradient.
 
     Experts are :class:`MLP` s. Expert matmuls run in the dtype of the input
     (:func:`jax_ep.grouped_matmul` on the ``"ragged"`` layout: Pallas Mosaic
@@ -142,13 +153,15 @@ class MoE(nnx.Module):
         mesh: jax.sharding.Mesh,
         axis_name: Hashable = "ep",
         data_axes: Sequence[Hashable] = (),
-        router: str = "softmax",
+        router: str | Router = "softmax",
         gated: bool = True,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
         shared_intermediate: int | None = None,
         layout: str = "ragged",
         capacity: int | None = None,
+        capacity_factor: float | None = None,
         expert_alignment: int = 1,
+        partial_dtype: Any = None,
         wire_dtype: Any = None,
         overlap: bool = False,
         remat: str | None = None,
@@ -167,7 +180,8 @@ class MoE(nnx.Module):
           axis_name: the EP mesh axis (R ranks).
           data_axes: other mesh axes the token batch is sharded over (data
             parallelism); experts are replicated over them.
-          router: ``"softmax"`` or ``"sigmoid"``, see the class docstring.
+          router: ``"softmax"``, ``"sigmoid"``, ``"softmax_topk"`` or a callable
+            router, see the class docstring.
           gated: SwiGLU-style gated experts if True, plain MLPs otherwise.
           activation: the experts' activation function.
           shared_intermediate: S, hidden width of a shared expert applied to
@@ -175,8 +189,15 @@ class MoE(nnx.Module):
           layout: ``"ragged"`` or ``"expert"``, the :func:`jax_ep.dispatch`
             layout the experts compute on.
           capacity: passed to :func:`jax_ep.dispatch`, per rank; None never
-            drops.
+            drops (with ``capacity_factor`` None).
+          capacity_factor: ``f > 0``, the capacity from the ``T`` tokens each
+            rank routes (``K`` slots each, ``L`` local experts): ragged
+            ``C = ceil(f * T * K) + L * (expert_alignment - 1)``, expert
+            ``C = ceil(f * T * K / L)``. Not with ``capacity``.
           expert_alignment: passed to :func:`jax_ep.dispatch`.
+          partial_dtype: passed to :func:`jax_ep.dispatch` (its backward
+            pass) and :func:`jax_ep.combine`: None, or ``jnp.float32`` for
+            sums rounded once.
           wire_dtype: passed to :func:`jax_ep.dispatch`: None, or
             ``jnp.float8_e4m3fn`` to send tokens as FP8 (``hidden`` a multiple
             of 128).
@@ -203,7 +224,8 @@ class MoE(nnx.Module):
         """
         for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts)):
             check_positive_int(name, value)
-        check_choice("router", router, ROUTERS)
+        if not callable(router):
+            check_choice("router", router, ROUTERS)
         check_choice("layout", layout, LAYOUTS)
         if len(set(mesh.axis_types)) > 1:
             raise ValueError(
@@ -236,7 +258,22 @@ class MoE(nnx.Module):
             raise ValueError(f"jax_ep.nn.MoE: data_axes names an axis twice: {tuple(data_axes)}")
         if capacity is not None:
             check_positive_int("capacity", capacity)
+        if capacity_factor is not None:
+            if capacity is not None:
+                raise ValueError(
+                    f"jax_ep.nn.MoE: give capacity or capacity_factor, not both; got capacity={capacity} and "
+                    f"capacity_factor={capacity_factor}"
+                )
+            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+                raise TypeError(
+                    f"jax_ep.nn.MoE: capacity_factor must be a positive number, got {capacity_factor!r} of type "
+                    f"{type(capacity_factor).__name__}"
+                )
+            if not 0 < capacity_factor < math.inf:
+                raise ValueError(f"jax_ep.nn.MoE: capacity_factor must be a positive number, got {capacity_factor}")
         check_positive_int("expert_alignment", expert_alignment)
+        if partial_dtype is not None:
+            check_float_dtype("partial_dtype", partial_dtype)
         if not isinstance(overlap, bool):
             raise TypeError(f"jax_ep.nn.MoE: overlap must be a bool, got {overlap!r}")
         check_choice("remat", remat, REMATS)
@@ -255,7 +292,9 @@ class MoE(nnx.Module):
         self.activation = activation
         self.layout = layout
         self.capacity = capacity
+        self.capacity_factor = capacity_factor
         self.expert_alignment = expert_alignment
+        self.partial_dtype = partial_dtype
         self.wire_dtype = wire_dtype
         self.overlap = overlap
         self.remat = remat
@@ -348,14 +387,7 @@ class MoE(nnx.Module):
         """
         with jax.named_scope("router"):
             logits = x.astype(jnp.float32) @ params["router"]  # [T, E]
-            if self.router == "softmax":
-                probs = jax.nn.softmax(logits, axis=-1)
-                topk_weights, topk_idx = jax.lax.top_k(probs, self.topk)
-            else:
-                scores = jax.nn.sigmoid(logits)
-                top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
-                topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
-                probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+            topk_weights, topk_idx, aux_parts = self._route(logits)
 
         body = functools.partial(self._experts_and_exchange, params=params)
         if self.remat is not None:
@@ -363,10 +395,50 @@ class MoE(nnx.Module):
         out, num_dropped = body(x, topk_idx, topk_weights)
 
         with jax.named_scope("aux_loss"):
-            slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
-            slots, prob_sum, num_dropped = jax.lax.psum((slots, jnp.sum(probs, axis=0), num_dropped), self.token_axes)
-            aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
+            aux_parts, num_dropped = jax.lax.psum((aux_parts, num_dropped), self.token_axes)
+            if callable(self.router):  # the mean of the router's own loss over the token shards
+                aux_loss = aux_parts / math.prod(jax.lax.axis_size(a) for a in self.token_axes)
+            else:
+                slots, prob_sum = aux_parts
+                aux_loss = self.num_experts * jnp.sum(slots / (num_tokens * self.topk) * prob_sum / num_tokens)
         return out, aux_loss, num_dropped
+
+    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        """One rank's ``topk_weights [T, K]``, ``topk_idx [T, K]`` and what its auxiliary loss sums over the
+        ranks: the callable router's ``aux_loss``, or the named routers' slots per expert ``[E]`` and sum of
+        ``p`` over the tokens ``[E]``."""
+        if callable(self.router):
+            topk_weights, topk_idx, aux_loss = self.router(logits)
+            self._check_routed(logits, topk_weights, topk_idx, aux_loss)
+            return topk_weights, topk_idx, jnp.asarray(aux_loss, jnp.float32)
+        if self.router == "softmax":
+            probs = jax.nn.softmax(logits, axis=-1)
+            topk_weights, topk_idx = jax.lax.top_k(probs, self.topk)
+        elif self.router == "softmax_topk":
+            top_logits, topk_idx = jax.lax.top_k(logits, self.topk)
+            topk_weights = jax.nn.softmax(top_logits, axis=-1)
+            probs = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            top_scores, topk_idx = jax.lax.top_k(scores, self.topk)
+            topk_weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        slots = jnp.zeros(self.num_experts, jnp.float32).at[topk_idx].add(1.0)
+        return topk_weights, topk_idx, (slots, jnp.sum(probs, axis=0))
+
+    def _check_routed(self, logits, topk_weights, topk_idx, aux_loss) -> None:
+        """A callable router's outputs have the shapes and dtypes the layer documents."""
+        want = (logits.shape[0], self.topk)
+        for name, value, kind in (("topk_weights", topk_weights, "floating"), ("topk_idx", topk_idx, "integer")):
+            shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+            ok = shape == want and dtype is not None and jnp.issubdtype(dtype, getattr(jnp, kind))
+            if not ok:
+                raise ValueError(
+                    f"jax_ep.nn.MoE: router must return {name} of shape {want} ([T, topk]) with {kind} values, "
+                    f"got {type(value).__name__} of shape {shape} and dtype {dtype}"
+                )
+        if jnp.shape(aux_loss) != ():
+            raise ValueError(f"jax_ep.nn.MoE: router must return a scalar aux_loss, got shape {jnp.shape(aux_loss)}")
 
     def _experts_and_exchange(
         self, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, params: dict[str, Any]
@@ -384,8 +456,9 @@ class MoE(nnx.Module):
                 num_experts=self.num_experts,
                 axis_name=self.axis_name,
                 layout=self.layout,
-                capacity=self.capacity,
+                capacity=self._capacity(x.shape[0]),
                 expert_alignment=self.expert_alignment,
+                partial_dtype=self.partial_dtype,
                 wire_dtype=self.wire_dtype,
                 transfer="separate" if self.remat == "handle" else "fused",
             )
@@ -403,7 +476,17 @@ class MoE(nnx.Module):
             else:
                 y = mlp(d.x, params["experts"], functools.partial(jnp.einsum, "lch,lhf->lcf"), self.activation)
         with jax.named_scope("combine"):
-            out = combine(y, d.handle, weights=d.weights)
+            out = combine(y, d.handle, weights=d.weights, partial_dtype=self.partial_dtype)
         if "shared" in params:
             out = out + (shared if shared is not None else shared_expert(x))
         return out, d.num_dropped
+
+    def _capacity(self, num_tokens: int) -> int | None:
+        """The dispatch's capacity for ``num_tokens`` tokens per rank: ``capacity``, or ``capacity_factor``'s."""
+        if self.capacity_factor is None or num_tokens == 0:
+            return self.capacity
+        local = self.num_experts // self.mesh.shape[self.axis_name]
+        slots = self.capacity_factor * num_tokens * self.topk
+        if self.layout == "ragged":
+            return math.ceil(slots) + local * (self.expert_alignment - 1)
+        return math.ceil(slots / local)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -149,9 +150,13 @@ def assert_dispatch_equal(got: jax_ep.Dispatched, want: Any) -> None:
     The ragged layout's rows past ``sum(group_sizes)`` are unspecified (SPEC v2), so ``x`` is compared only
     before them; ``weights`` must be 0 there, so it is compared everywhere.
     """
-    for field in ("group_sizes", "weights", "num_dropped", "num_invalid"):
+    for field in ("group_sizes", "weights", "num_dropped", "num_invalid", "expert_load"):
         assert_bits_equal(getattr(got, field), getattr(want, field), err_msg=field)
     assert_bits_equal(specified(got.x, got.group_sizes), specified(want.x, want.group_sizes), err_msg="x")
+    if want.row_expert is None:
+        assert got.row_expert is None, "row_expert: None in the expert layout"
+    else:
+        assert_bits_equal(got.row_expert, want.row_expert, err_msg="row_expert")
 
 
 def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, eps: float, err_msg: str = "") -> None:
@@ -167,3 +172,43 @@ def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, e
     assert np.all(excess <= 0), (
         f"{err_msg}: worst at {worst}: got {got64[worst]}, want {want[worst]}, allowed error {bound[worst]}"
     )
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
+    """``jax.lax.ragged_all_to_all`` as its docstring defines it, built from ``lax.all_to_all`` (XLA:CPU does not
+    implement the primitive; the xla backend's ragged exchange runs on CPU with this in its place).
+
+    Slice ``i`` of ``operand`` (``input_offsets[i]``, ``send_sizes[i]`` rows) goes to rank ``i // (N / R)``; each
+    receiver writes the ``i``-th slice it gets, ``recv_sizes[i]`` rows, at the offset its sender gave in
+    ``output_offsets``, into a copy of ``output``. Slices travel padded to ``operand``'s rows.
+    """
+    assert axis_index_groups is None
+    num_ranks = jax.lax.axis_size(axis_name)
+    slices = input_offsets.shape[0]
+    assert slices % num_ranks == 0, (slices, num_ranks)
+    rows, tail = operand.shape[0], operand.shape[1:]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    sent = jnp.where(index < send_sizes[:, None], input_offsets[:, None] + index, rows)  # [slices, rows]
+    chunks = jnp.take(operand, sent, axis=0, mode="fill", fill_value=0)  # [slices, rows, ...]
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # slice i from rank i // (N / R)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    target = jnp.where(index < recv_sizes[:, None], offsets[:, None] + index, output.shape[0])
+    return output.at[target.reshape(-1)].set(received.reshape(slices * rows, *tail), mode="drop")
+
+
+def collective_operands(jaxpr: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(primitive, dtype, shape)`` of the first operand of every all-to-all in ``jaxpr`` and the jaxprs inside it
+    (jit, shard_map, custom VJPs, cond branches, scan bodies)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("all_to_all", "ragged_all_to_all"):
+            aval = eqn.invars[0].aval
+            found.append((eqn.primitive.name, aval.dtype.name, tuple(aval.shape)))
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found.extend(collective_operands(inner))
+    return found

@@ -9,10 +9,12 @@ A slot is ``(r, t, k)``: source rank, token, top-k position.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 LAYOUTS = ("ragged", "expert")
+DROP_POLICIES = ("balanced", "expert")
 
 
 def default_capacity(
@@ -45,6 +47,8 @@ class RefDispatch:
     group_sizes: np.ndarray  # [R, L] int32
     num_dropped: np.ndarray  # [R] int32
     num_invalid: np.ndarray  # [R] int32
+    expert_load: np.ndarray  # [R, L] int32
+    row_expert: np.ndarray | None  # [R, C] int32 (ragged), None (expert)
     rows: dict[tuple[int, int, int], tuple[int, int]]
     dropped: set[tuple[int, int, int]]
 
@@ -57,6 +61,19 @@ class RefDispatch:
         return self.num_experts // self.num_ranks
 
 
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def balanced_keep(counts: list[int], capacity: int, alignment: int) -> list[int]:
+    """SPEC v3 ``drop_policy="balanced"``: expert ``j`` keeps ``min(n_j, c)``, ``c`` the largest integer with
+    ``sum_j align_up(min(n_j, c), alignment) <= capacity``. Found by counting down from the largest ``n_j``."""
+    level = max(counts, default=0)
+    while sum(align_up(min(n, level), alignment) for n in counts) > capacity:
+        level -= 1
+    return [min(n, level) for n in counts]
+
+
 def dispatch(
     x: np.ndarray,
     topk_idx: np.ndarray,
@@ -66,11 +83,23 @@ def dispatch(
     layout: str = "ragged",
     capacity: int | None = None,
     expert_alignment: int = 1,
+    drop_policy: str = "balanced",
 ) -> RefDispatch:
-    """The contract's dispatch on every rank of an EP group of ``R = x.shape[0]`` ranks."""
-    assert layout in LAYOUTS
-    num_ranks, num_tokens, topk = topk_idx.shape
-    hidden = x.shape[-1]
+    """The contract's dispatch on every rank of an EP group of ``R = x.shape[0]`` ranks.
+
+    ``x [R, *B, H]``, ``topk_idx`` and ``topk_weights`` ``[R, *B, K]`` (flattened to ``T = prod(B)`` tokens);
+    ids of any integer dtype, weights of any float dtype (their float32 values are used).
+    """
+    assert layout in LAYOUTS and drop_policy in DROP_POLICIES
+    num_ranks, num_tokens, topk, hidden = (
+        topk_idx.shape[0],
+        math.prod(topk_idx.shape[1:-1]),
+        topk_idx.shape[-1],
+        x.shape[-1],
+    )
+    x = x.reshape(num_ranks, num_tokens, hidden)
+    topk_idx = topk_idx.reshape(num_ranks, num_tokens, topk)
+    topk_weights = topk_weights.reshape(num_ranks, num_tokens, topk).astype(np.float32)
     local = num_experts // num_ranks
     assert local * num_ranks == num_experts
     if capacity is None:
@@ -100,6 +129,8 @@ def dispatch(
     out_w = np.zeros((num_ranks, flat_rows), np.float32)
     group_sizes = np.zeros((num_ranks, local), np.int32)
     num_dropped = np.zeros(num_ranks, np.int32)
+    expert_load = np.zeros((num_ranks, local), np.int32)
+    row_expert = np.full((num_ranks, capacity), -1, np.int32) if layout == "ragged" else None
     rows: dict[tuple[int, int, int], tuple[int, int]] = {}
     dropped: set[tuple[int, int, int]] = set()
 
@@ -109,36 +140,45 @@ def dispatch(
         out_w[d, row] = topk_weights[r, t, k]
         rows[slot] = (d, row)
 
+    def drop(d: int, slot: tuple[int, int, int]) -> None:
+        dropped.add(slot)
+        num_dropped[d] += 1
+
     for d in range(num_ranks):
-        if layout == "ragged":
-            # The unbounded layout: each segment, then None rows up to the alignment.
-            unbounded: list[tuple[int, int, int] | None] = []
-            for j in range(local):
-                slots = per_expert[d * local + j]
-                padding = (-len(slots)) % expert_alignment
-                start = len(unbounded)
-                unbounded.extend(slots)
-                unbounded.extend([None] * padding)
-                end = len(unbounded)
-                group_sizes[d, j] = min(end, capacity) - min(start, capacity)
-            for row, entry in enumerate(unbounded):
-                if entry is None:
-                    continue
-                if row < capacity:
-                    place(d, row, entry)
-                else:
-                    dropped.add(entry)
-                    num_dropped[d] += 1
-        else:
-            for j in range(local):
-                slots = per_expert[d * local + j]
+        experts = [per_expert[d * local + j] for j in range(local)]
+        expert_load[d] = [len(slots) for slots in experts]
+        if layout == "expert":
+            for j, slots in enumerate(experts):
                 for i, slot in enumerate(slots):
                     if i < capacity:
                         place(d, j * capacity + i, slot)
                     else:
-                        dropped.add(slot)
-                        num_dropped[d] += 1
+                        drop(d, slot)
                 group_sizes[d, j] = min(len(slots), capacity)
+        elif drop_policy == "balanced":
+            keep = balanced_keep([len(slots) for slots in experts], capacity, expert_alignment)
+            start = 0
+            for j, slots in enumerate(experts):
+                for i, slot in enumerate(slots):
+                    if i < keep[j]:
+                        place(d, start + i, slot)
+                    else:
+                        drop(d, slot)
+                group_sizes[d, j] = align_up(keep[j], expert_alignment)
+                start += group_sizes[d, j]
+        else:  # "expert": the first C rows of the layout without a capacity
+            start = 0
+            for j, slots in enumerate(experts):
+                for i, slot in enumerate(slots):
+                    if start + i < capacity:
+                        place(d, start + i, slot)
+                    else:
+                        drop(d, slot)
+                end = start + align_up(len(slots), expert_alignment)
+                group_sizes[d, j] = min(end, capacity) - min(start, capacity)
+                start = end
+        if row_expert is not None:
+            row_expert[d, : group_sizes[d].sum()] = np.repeat(np.arange(local), group_sizes[d])
 
     if layout == "ragged":
         x_shape, w_shape = (num_ranks, capacity, hidden), (num_ranks, capacity)
@@ -156,6 +196,8 @@ def dispatch(
         group_sizes=group_sizes,
         num_dropped=num_dropped,
         num_invalid=num_invalid,
+        expert_load=expert_load,
+        row_expert=row_expert,
         rows=rows,
         dropped=dropped,
     )

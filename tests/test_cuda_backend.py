@@ -99,6 +99,8 @@ def _run(mesh, backend, x, idx, w, partial_dtype=None, split=False, **kw):
             scalars[None],
             jax.tree.map(lambda a: a[None], d.handle),
             out,
+            d.expert_load[None],
+            jax.tree.map(lambda a: a[None], d.row_expert),  # None in the expert layout
         )
 
     with jax.set_mesh(mesh):
@@ -124,10 +126,17 @@ CASES = [
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("kind,tokens,hidden,topk,experts,layout,capacity,alignment", CASES)
 def test_cuda_matches_xla(mesh, dtype, kind, tokens, hidden, topk, experts, layout, capacity, alignment):
+    """Where the capacity drops slots, under both drop policies (they differ in the ragged layout only)."""
     x, idx, w = _inputs(mesh, kind, tokens, hidden, topk, experts, dtype, seed=tokens + hidden)
-    kw = dict(num_experts=experts, layout=layout, capacity=capacity, expert_alignment=alignment)
-    for partial in (None, jnp.float32):
-        _assert_same(_run(mesh, "cuda", x, idx, w, partial, **kw), _run(mesh, "xla", x, idx, w, partial, **kw), dtype)
+    policies = ("balanced", "expert") if capacity is not None else ("balanced",)
+    for policy in policies:
+        kw = dict(num_experts=experts, layout=layout, capacity=capacity, expert_alignment=alignment)
+        kw["drop_policy"] = policy
+        for partial in (None, jnp.float32):
+            cuda, xla = (_run(mesh, backend, x, idx, w, partial, **kw) for backend in ("cuda", "xla"))
+            _assert_same(cuda, xla, dtype)
+        if capacity is not None:
+            assert np.asarray(xla[3])[:, 0].sum() > 0, "the capacity drops slots"
 
 
 def _assert_same(cuda, xla, dtype):
@@ -137,6 +146,10 @@ def _assert_same(cuda, xla, dtype):
     for name, got, want in zip(names, cuda[1:5], xla[1:5], strict=True):
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(e), err_msg=name)
+    for name, got, want in zip(["expert_load", "row_expert"], cuda[6:8], xla[6:8], strict=True):
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert_bits_equal(np.asarray(got), np.asarray(want), err_msg=name)
     out_cuda, out_xla = (np.asarray(o.astype(jnp.float32)) for o in (cuda[5], xla[5]))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(out_cuda, out_xla, rtol=tol, atol=tol * np.abs(out_xla).max())

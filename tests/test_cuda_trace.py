@@ -101,6 +101,11 @@ def test_forward_and_backward_trace_through_the_ffi_calls(monkeypatch, extension
     assert (d.x.shape, d.x.dtype) == ((*rows, 16), jnp.float32)
     assert (d.weights.shape, d.weights.dtype) == (rows, jnp.float32)
     assert (d.group_sizes.shape, d.group_sizes.dtype) == ((4,), jnp.int32)
+    assert (d.expert_load.shape, d.expert_load.dtype) == ((4,), jnp.int32)
+    if layout == "ragged":
+        assert (d.row_expert.shape, d.row_expert.dtype) == ((capacity,), jnp.int32)
+    else:
+        assert d.row_expert is None
     assert d.num_dropped.shape == d.num_invalid.shape == ()
     handle = {name: getattr(d.handle, name) for name in ("token_dest_pos", "slot_dest", "recv_rows", "row_slot")}
     assert {name: a.shape for name, a in handle.items()} == {

@@ -116,43 +116,71 @@ def _golden_inputs():
     return x, idx, weights
 
 
-# Hand-written expectations: (layout, alignment, capacity) -> per rank (rows as (r, t, k) or None, group_sizes,
-# num_dropped). Expert 0 gets a0 (0,0,1), b1 (1,1,0), b1 (1,1,1); expert 1 nothing; expert 2 gets a0 (0,0,0),
-# a1 (0,1,1), b0 (1,0,1); expert 3 gets b0 (1,0,0).
+# Hand-written expectations: (layout, alignment, capacity, drop_policy) -> per rank (rows as (r, t, k) or None,
+# group_sizes, num_dropped). Expert 0 gets a0 (0,0,1), b1 (1,1,0), b1 (1,1,1); expert 1 nothing; expert 2 gets
+# a0 (0,0,0), a1 (0,1,1), b0 (1,0,1); expert 3 gets b0 (1,0,0). expert_load is [3, 0] on rank 0, [3, 1] on rank 1.
 GOLDEN = {
-    ("ragged", 1, None): [
+    ("ragged", 1, None, "balanced"): [
         ([(0, 0, 1), (1, 1, 0), (1, 1, 1)] + [None] * 5, [3, 0], 0),
         ([(0, 0, 0), (0, 1, 1), (1, 0, 1), (1, 0, 0)] + [None] * 4, [3, 1], 0),
     ],
-    ("ragged", 2, None): [
+    ("ragged", 2, None, "balanced"): [
         ([(0, 0, 1), (1, 1, 0), (1, 1, 1)] + [None] * 7, [4, 0], 0),
         ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0)] + [None] * 5, [4, 2], 0),
     ],
-    ("ragged", 2, 5): [
+    # Version 2's rule: the first C rows of the layout without a capacity; expert 3 starves on rank 1 at C=4.
+    ("ragged", 2, 5, "expert"): [
         ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None, None], [4, 0], 0),
         ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0)], [4, 1], 0),
     ],
-    ("ragged", 2, 4): [
+    ("ragged", 2, 4, "expert"): [
         ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None], [4, 0], 0),
         ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None], [4, 0], 1),
     ],
-    ("expert", 1, None): [
+    # Balanced: rank 1's level is c = 2 (align_up(2, 2) + align_up(1, 2) = 4 fits C = 4 and 5; c = 3 needs 6), so
+    # expert 2 keeps its first two slots and expert 3 its one; rank 0's c = 3 keeps all (4 rows).
+    ("ragged", 2, 5, "balanced"): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None, None], [4, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 0), None, None], [2, 2], 1),
+    ],
+    ("ragged", 2, 4, "balanced"): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None], [4, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 0), None], [2, 2], 1),
+    ],
+    ("ragged", 1, 3, "balanced"): [
+        ([(0, 0, 1), (1, 1, 0), (1, 1, 1)], [3, 0], 0),
+        ([(0, 0, 0), (0, 1, 1), (1, 0, 0)], [2, 1], 1),
+    ],
+    ("expert", 1, None, "balanced"): [
         ([(0, 0, 1), (1, 1, 0), (1, 1, 1), None] + [None] * 4, [3, 0], 0),
         ([(0, 0, 0), (0, 1, 1), (1, 0, 1), None, (1, 0, 0), None, None, None], [3, 1], 0),
     ],
-    ("expert", 1, 2): [
-        ([(0, 0, 1), (1, 1, 0), None, None], [2, 0], 1),
-        ([(0, 0, 0), (0, 1, 1), (1, 0, 0), None], [2, 1], 1),
-    ],
+    # The expert layout: each expert keeps its first C slots under either policy.
+    **{
+        ("expert", 1, 2, policy): [
+            ([(0, 0, 1), (1, 1, 0), None, None], [2, 0], 1),
+            ([(0, 0, 0), (0, 1, 1), (1, 0, 0), None], [2, 1], 1),
+        ]
+        for policy in ("balanced", "expert")
+    },
 }
 
 
 @pytest.mark.parametrize("key", list(GOLDEN), ids=str)
 def test_dispatch_golden(key):
-    """A hand-worked example: order by source rank, then token, then k; padding; truncation."""
-    layout, alignment, capacity = key
+    """A hand-worked example: order by source rank, then token, then k; padding; drops under each policy."""
+    layout, alignment, capacity, policy = key
     x, idx, weights = _golden_inputs()
-    got = run_dispatch(x, idx, weights, num_experts=4, layout=layout, capacity=capacity, expert_alignment=alignment)
+    got = run_dispatch(
+        x,
+        idx,
+        weights,
+        num_experts=4,
+        layout=layout,
+        capacity=capacity,
+        expert_alignment=alignment,
+        drop_policy=policy,
+    )
     for rank, (rows, sizes, dropped) in enumerate(GOLDEN[key]):
         want_x = np.stack([np.zeros(2, np.float32) if s is None else x[s[0], s[1]] for s in rows])
         want_w = np.array([0.0 if s is None else weights[s] for s in rows], np.float32)
@@ -163,6 +191,11 @@ def test_dispatch_golden(key):
         np.testing.assert_array_equal(got.group_sizes[rank], sizes)
         assert got.num_dropped[rank] == dropped
         assert got.num_invalid[rank] == 0
+        np.testing.assert_array_equal(got.expert_load[rank], [[3, 0], [3, 1]][rank])
+        if layout == "ragged":
+            want_experts = np.full(len(rows), -1)
+            want_experts[:used] = np.repeat(np.arange(2), sizes)
+            np.testing.assert_array_equal(got.row_expert[rank], want_experts)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
@@ -244,7 +277,8 @@ def test_dispatched_is_a_pytree_of_arrays(layout):
     leaves, handle_leaves = seen[0]
     assert handle_leaves, "the handle must carry its routing as arrays"
     assert all(isinstance(leaf, jax.Array) for leaf in leaves)
-    assert len(leaves) == 5 + len(handle_leaves)  # x, weights, group_sizes, num_dropped, num_invalid + the handle
+    # x, weights, group_sizes, num_dropped, num_invalid, expert_load, the handle, and row_expert (ragged; expert None)
+    assert len(leaves) == 6 + len(handle_leaves) + (layout == "ragged")
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
@@ -294,17 +328,20 @@ def test_handle_slot_dest_keeps_dropped_slots_rank(layout):
     assert all(slot_dest[slot] >= 0 for slot in ref.dropped)
 
 
-def test_alignment_beyond_capacity_pads_nothing_more():
-    """An expert_alignment far past the capacity (2**30) gives the layout of alignment == capacity, without
-    overflowing the segment starts: every row past C is cut either way."""
+@pytest.mark.parametrize("policy", ["balanced", "expert"])
+def test_alignment_beyond_capacity(policy):
+    """An expert_alignment far past the capacity (2**30) gives the contract's layout, without overflowing the
+    segment starts: under "expert" the first segment fills all C rows and the rest are cut; under "balanced" no
+    segment of a slot fits, so every slot is dropped (and with one expert holding slots, it keeps C of them)."""
     num_ranks, capacity = 2, 6
     rng = np.random.default_rng(31)
     x, weights = random_inputs(rng, num_ranks, T, H, K)
     idx = routing(rng, "invalid", num_ranks, T, K, E)
-    huge = run_dispatch(x, idx, weights, num_experts=E, capacity=capacity, expert_alignment=2**30)
-    want = reference.dispatch(x, idx, weights, num_experts=E, capacity=capacity, expert_alignment=capacity)
-    assert_dispatch_equal(huge, want)
+    kw = dict(num_experts=E, capacity=capacity, expert_alignment=2**30, drop_policy=policy)
+    huge = run_dispatch(x, idx, weights, **kw)
+    assert_dispatch_equal(huge, reference.dispatch(x, idx, weights, **kw))
     assert np.all(huge.group_sizes >= 0) and np.all(huge.group_sizes.sum(axis=1) <= capacity)
+    assert huge.num_dropped.sum() > 0
 
 
 def _producer(jaxpr, var) -> str:
@@ -320,13 +357,18 @@ def _producer(jaxpr, var) -> str:
                 if inner is not None:
                     inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
                     return _producer(inner, inner.outvars[index])
+            if "branches" in eqn.params:  # a cond (the xla exchange by platform): every branch must agree
+                found = {_producer(b.jaxpr, b.jaxpr.outvars[index]) for b in eqn.params["branches"]}
+                assert len(found) == 1, f"the branches compute it differently: {found}"
+                return found.pop()
             return eqn.primitive.name
     raise AssertionError(f"nothing in the jaxpr computes {var}")
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_xla_row_slot_is_the_scatter_output(layout):
-    """Backend xla: Handle.row_slot is the output of the scatter that places the slots, as it was at fb4c00b.
+    """Backend xla: Handle.row_slot is the output of the scatter that places the slots, as it was at fb4c00b (with
+    either exchange: the default picks one by platform).
 
     739ecb8 marked the ragged rows past the data -2 with a select on that scatter's result; XLA fused the
     select, which reads sum(group_sizes), into every consumer of row_slot and of d.x (a gather of each token's

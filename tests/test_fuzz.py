@@ -37,6 +37,7 @@ def test_fuzz_slice_has_no_mismatch(slice_report):
     assert counts["by_ranks"] == {"1": 50, "2": 50, "4": 50, "8": 50}
     assert set(counts["by_layout"]) == {"ragged", "expert"}
     assert set(counts["by_x_dtype"]) == set(fuzz.DTYPES)
+    assert set(counts["by_drop_policy"]) == {"balanced", "expert"}
     for category in ("dropped_slots", "invalid_slots", "repeated_expert", "exact_products", "poisoned_free_rows"):
         assert counts[category].get("True", 0) > 0, category
     assert counts["by_routing"].get("unused", 0) > 0 and counts["by_routing"].get("hot", 0) > 0

@@ -18,8 +18,8 @@ T, H, K, E = 6, 4, 3, 8
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 sums of a few O(1) terms in a different order
 
 
-def _dispatch(x, idx, topk_weights, layout, capacity=None):
-    return jax_ep.dispatch(x, idx, topk_weights, num_experts=E, axis_name=AXIS, layout=layout, capacity=capacity)
+def _dispatch(x, idx, topk_weights, layout, capacity=None, **kw):
+    return jax_ep.dispatch(x, idx, topk_weights, num_experts=E, axis_name=AXIS, layout=layout, capacity=capacity, **kw)
 
 
 def _experts(d, w_local, layout):
@@ -29,11 +29,11 @@ def _experts(d, w_local, layout):
     return jnp.einsum("lch,lhg->lcg", d.x, w_local)
 
 
-def _moe(layout, capacity=None):
+def _moe(layout, capacity=None, **kw):
     """One rank of the MoE: dispatch, per-local-expert matmul, combine with ``d.weights``."""
 
     def moe(x, idx, topk_weights, w_local):
-        d = _dispatch(x, idx, topk_weights, layout, capacity)
+        d = _dispatch(x, idx, topk_weights, layout, capacity, **kw)
         return jax_ep.combine(_experts(d, w_local, layout), d.handle, weights=d.weights), d.num_dropped
 
     return moe
@@ -154,6 +154,37 @@ def test_dispatch_vjp_matches_reference(num_ranks, capacity, dtype, layout):
         assert ref.dropped
 
 
+@pytest.mark.parametrize("path", ["fused", slow("separate"), slow("split")])
+def test_dispatch_partial_dtype_sets_its_backward_sums(path):
+    """dispatch(partial_dtype=float32): dx is the float32 sum over the slots' row cotangents, rounded once to x's
+    dtype (reference.combine_ordered with float32 partials), on every path of the op; without it, each rank's
+    partial is rounded to bfloat16 first, which differs."""
+    num_ranks = 4
+    rng = np.random.default_rng(17)
+    x, topk_weights = random_inputs(rng, num_ranks, T, H, K, jnp.bfloat16)
+    idx = routing(rng, "random", num_ranks, T, K, E)
+    ref = reference.dispatch(x, idx, topk_weights, num_experts=E)
+    ct_x = (rng.standard_normal(ref.x.shape) * 3).astype(jnp.bfloat16)
+
+    def body(partial_dtype):
+        def run(x, idx, topk_weights, ct_x):
+            kw = dict(num_experts=E, axis_name=AXIS, partial_dtype=partial_dtype)
+
+            def rows(x):
+                if path == "split":
+                    return jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, topk_weights, **kw)).x
+                return jax_ep.dispatch(x, idx, topk_weights, transfer=path, **kw).x
+
+            return jax.vjp(rows, x)[1](ct_x)[0]
+
+        return run
+
+    exact, rounded = (to_numpy(ep_jit(body(p), num_ranks)(x, idx, topk_weights, ct_x)) for p in (jnp.float32, None))
+    assert_bits_equal(exact, reference.combine_ordered(ref, ct_x, partial_dtype=np.float32))
+    assert_bits_equal(rounded, reference.combine_ordered(ref, ct_x))
+    assert np.any(exact != rounded)
+
+
 @pytest.mark.parametrize("layout", ["ragged", "expert"])
 def test_combine_vjp_matches_reference(layout):
     """dy[row] = w * g[t]; dweights[row] = <g[t], y[row]>; padding and dropped rows get 0."""
@@ -255,18 +286,20 @@ def _count_primitives(closed_jaxpr) -> Counter:
     return counts
 
 
-def test_backward_does_not_recompute_routing():
+@pytest.mark.parametrize("exchange", ["dense", "ragged"])
+def test_backward_does_not_recompute_routing(exchange):
     """The backward passes reuse the handle: grad adds no routing work to the forward pass.
 
     The backward pass of dispatch is one more combine (which sorts each token's K rows into row order) and
     that of combine a redispatch; so grad has exactly one combine's worth more sorts than forward, and no
-    more count exchanges, prefix sums or axis indices.
+    more count exchanges, prefix sums or axis indices. (The xla backend's ragged exchange computes each trip's
+    offsets, a prefix sum of R counts and this rank's index, so there the redispatch adds those.)
     """
     num_ranks = 4
-    body = _moe("ragged")
+    body = _moe("ragged", xla_exchange=exchange)
     f = jax.shard_map(lambda *a: body(*a)[0], in_specs=P(AXIS), out_specs=P(AXIS))
     only_dispatch = jax.shard_map(
-        lambda x, i, w, W: _dispatch(x, i, w, "ragged").x, in_specs=P(AXIS), out_specs=P(AXIS)
+        lambda x, i, w, W: _dispatch(x, i, w, "ragged", xla_exchange=exchange).x, in_specs=P(AXIS), out_specs=P(AXIS)
     )
     args = (
         jnp.ones((num_ranks * T, H)),
@@ -281,7 +314,7 @@ def test_backward_does_not_recompute_routing():
         backward = _count_primitives(jax.make_jaxpr(grad)(*args))
     assert forward["all_to_all"] > 0 and backward["all_to_all"] > forward["all_to_all"]
     assert routing_ops["sort"] > 0 and routing_ops["cumsum"] > 0
-    for name in ("sort", "all_gather", "cumsum", "axis_index"):
+    for name in ("sort", "all_gather") + (("cumsum", "axis_index") if exchange == "dense" else ()):
         one_combine = forward[name] - routing_ops[name]
         assert backward[name] == forward[name] + one_combine, name
 

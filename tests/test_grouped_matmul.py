@@ -387,6 +387,46 @@ def test_bad_arguments():
             jax_ep.grouped_matmul(x, w, sizes, impl="mosaic")
 
 
+@pytest.mark.parametrize("sizes_dtype", [jnp.int8, jnp.uint16, jnp.int32])
+def test_ragged_dots_call(sizes_dtype):
+    """grouped_matmul takes jax.lax.ragged_dot's call keyword for keyword (group_sizes of any integer dtype,
+    precision, preferred_element_type as the output dtype) and gives its values and gradients, under jit."""
+    x, w, sizes, dy = make("ragged")
+    call = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    def ours(a, b):
+        return jax_ep.grouped_matmul(lhs=a, rhs=b, group_sizes=sizes.astype(sizes_dtype), group_offset=None, **call)
+
+    def theirs(a, b):
+        return jax.lax.ragged_dot(lhs=a, rhs=b, group_sizes=sizes, **call)
+
+    s = int(np.sum(sizes))
+    x, dy32 = x.at[s:].set(0), dy.astype(jnp.float32).at[s:].set(0)
+    got = jax.jit(lambda a, b: vjp_step(lambda a, b, _: ours(a, b), a, b, None, dy32))(x, w)
+    want = jax.jit(lambda a, b: vjp_step(lambda a, b, _: theirs(a, b), a, b, None, dy32))(x, w)
+    assert got[0].dtype == jnp.float32 and got[1].dtype == x.dtype and got[2].dtype == w.dtype
+    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+    positional = jax_ep.grouped_matmul(x, w, sizes, None, jnp.float32)
+    np.testing.assert_array_equal(positional[:s], jax.lax.ragged_dot(x, w, sizes, None, jnp.float32)[:s])
+
+
+def test_ragged_dots_call_refusals():
+    """group_offset (ragged_dot's sharded groups) is not implemented; impl="mosaic" cannot write another dtype
+    than the operands'; a non-float preferred_element_type and a float group_sizes are refused by name."""
+    x, w, sizes, _ = make("ragged")
+    with pytest.raises(NotImplementedError, match="group_offset"):
+        jax_ep.grouped_matmul(x, w, sizes, group_offset=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="(?s)(?=.*preferred_element_type)(?=.*float32)(?=.*bfloat16)"):
+        jax_ep.grouped_matmul(x, w, sizes, preferred_element_type=jnp.float32, impl="mosaic")
+    with pytest.raises(TypeError, match="(?s)(?=.*preferred_element_type)(?=.*int32)"):
+        jax_ep.grouped_matmul(x, w, sizes, preferred_element_type=jnp.int32)
+    with pytest.raises(TypeError, match="(?s)(?=.*group_sizes)(?=.*integer)(?=.*float32)"):
+        jax_ep.grouped_matmul(x, w, sizes.astype(jnp.float32))
+    with pytest.raises(ValueError, match="(?s)(?=.*lhs)(?=.*rhs)(?=.*share K)"):
+        jax_ep.grouped_matmul(x[:, :64], w, sizes)
+
+
 # GPU: the Mosaic kernels themselves.
 
 

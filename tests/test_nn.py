@@ -4,6 +4,7 @@ import functools
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -14,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.conftest import cpu_mesh
+from tests.helpers import collective_operands
 
 nnx = pytest.importorskip("flax.nnx")
 from jax_ep.nn import MoE  # noqa: E402
@@ -27,6 +29,9 @@ def dense_moe(params: dict, x: jax.Array, *, router: str, topk: int) -> tuple[ja
     if router == "softmax":
         probs = jax.nn.softmax(logits)
         weights, idx = jax.lax.top_k(probs, topk)
+    elif router == "softmax_topk":
+        top_logits, idx = jax.lax.top_k(logits, topk)
+        weights, probs = jax.nn.softmax(top_logits), jax.nn.softmax(logits)
     else:
         scores = jax.nn.sigmoid(logits)
         weights, idx = jax.lax.top_k(scores, topk)
@@ -72,6 +77,7 @@ def make_moe(shape: tuple[int, ...], **kwargs) -> MoE:
         ("ragged", 8, "sigmoid", False, (2, 4)),
         pytest.param("expert", None, "sigmoid", True, (2, 4), marks=pytest.mark.slow),
         ("expert", 8, "softmax", False, (8,)),
+        ("ragged", None, "softmax_topk", True, (2, 4)),
     ],
 )
 def test_matches_dense(layout, shared, router, gated, shape):
@@ -124,7 +130,7 @@ def test_num_dropped(layout):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_experts must be a multiple"):
         MoE(HIDDEN, INTERMEDIATE, num_experts=6, topk=2, mesh=cpu_mesh((8,), ("ep",)), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="router"):
+    with pytest.raises(ValueError, match="(?s)(?=.*router)(?=.*softmax_topk)(?=.*'relu')"):
         make_moe((8,), router="relu")
     model = make_moe((8,))
     with pytest.raises(ValueError, match="multiple of 8"), jax.set_mesh(model.mesh):
@@ -317,3 +323,102 @@ def test_fp8_wire_dtype_trains_close_to_full_precision():
             rngs=nnx.Rngs(0),
             wire_dtype=jnp.float8_e4m3fn,
         )
+
+
+def _z_loss_router(logits):
+    """A callable router: Mixtral's softmax over the top-k logits, weights in bfloat16 and ids in int16 (as
+    dispatch takes them), and a z-loss of its own as aux_loss."""
+    top_logits, idx = jax.lax.top_k(logits, TOPK)
+    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return jax.nn.softmax(top_logits).astype(jnp.bfloat16), idx.astype(jnp.int16), z_loss
+
+
+def test_callable_router():
+    """router=callable: the layer dispatches the callable's top-k and returns the mean of its aux_loss over the
+    token shards; gradients reach the router through the bfloat16 weights (the same as softmax_topk's, rounded)."""
+    x = jax.random.normal(jax.random.key(4), (4, 8, HIDDEN))
+    results = {}
+    for router in ("softmax_topk", _z_loss_router):
+        model = make_moe((2, 4), router=router)
+        with jax.set_mesh(model.mesh):
+            results[router] = nnx.jit(lambda m, x: (m(x), nnx.grad(lambda m: jnp.sum(m(x).out ** 2))(m)))(model, x)
+    (named, named_grads), (called, called_grads) = results.values()
+    np.testing.assert_allclose(called.out, named.out, rtol=2e-2, atol=2e-2)  # the weights rounded to bfloat16
+    logits = x.reshape(-1, HIDDEN) @ model.router_kernel[...]
+    shards = logits.reshape(8, -1, EXPERTS)  # the token shards of ("data", "ep")
+    want = jnp.mean(jnp.mean(jax.nn.logsumexp(shards, axis=-1) ** 2, axis=-1))
+    np.testing.assert_allclose(called.aux_loss, want, rtol=1e-6)
+    assert called.aux_loss.dtype == jnp.float32 and called.num_dropped == 0
+    router_grad = nnx.to_pure_dict(called_grads)["router_kernel"]
+    assert np.any(router_grad) and np.all(np.isfinite(router_grad))
+    np.testing.assert_allclose(router_grad, nnx.to_pure_dict(named_grads)["router_kernel"], rtol=0.1, atol=0.05)
+
+
+def test_callable_router_outputs_are_checked():
+    model = make_moe((8,), router=lambda logits: (logits[:, :1], jnp.zeros((logits.shape[0], 1), jnp.int32), 0.0))
+    with pytest.raises(ValueError, match=r"(?s)(?=.*router)(?=.*topk_weights)(?=.*\(8, 2\))(?=.*\(8, 1\))"):
+        with jax.set_mesh(model.mesh):
+            model(jnp.zeros((64, HIDDEN)))
+    model = make_moe((8,), router=lambda logits: (*jax.lax.top_k(logits, TOPK), jnp.zeros(2)))
+    with pytest.raises(ValueError, match="(?s)(?=.*router)(?=.*scalar aux_loss)(?=.*\\(2,\\))"):
+        with jax.set_mesh(model.mesh):
+            model(jnp.zeros((64, HIDDEN)))
+
+
+@pytest.mark.parametrize(
+    ("layout", "factor", "alignment"), [("ragged", 0.6, 2), pytest.param("expert", 1.3, 1, marks=pytest.mark.slow)]
+)
+def test_capacity_factor(layout, factor, alignment):
+    """capacity_factor=f is the capacity of its formula (ragged ceil(f*T*K) + L*(alignment-1), expert
+    ceil(f*T*K/L), T tokens per rank), bit for bit; here it drops slots."""
+    x = jax.random.normal(jax.random.key(5), (64, HIDDEN))
+    tokens, local = 64 // 4, EXPERTS // 4
+    if layout == "ragged":
+        capacity = int(np.ceil(factor * tokens * TOPK)) + local * (alignment - 1)
+    else:
+        capacity = int(np.ceil(factor * tokens * TOPK / local))
+    got, want = (
+        _loss_and_grads(make_moe((4,), layout=layout, expert_alignment=alignment, **kw), x)
+        for kw in ({"capacity_factor": factor}, {"capacity": capacity})
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    model = make_moe((4,), layout=layout, capacity_factor=factor, expert_alignment=alignment)
+    with jax.set_mesh(model.mesh):
+        assert nnx.jit(lambda m, x: m(x).num_dropped)(model, x) > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(capacity=4, capacity_factor=1.0), ValueError, "(?s)(?=.*capacity_factor)(?=.*capacity=4)"),
+        (dict(capacity_factor=0.0), ValueError, "(?s)(?=.*capacity_factor)(?=.*positive)(?=.*0.0)"),
+        (dict(capacity_factor=float("nan")), ValueError, "(?s)(?=.*capacity_factor)(?=.*positive)(?=.*nan)"),
+        (dict(capacity_factor="2"), TypeError, "(?s)(?=.*capacity_factor)(?=.*number)(?=.*'2')"),
+        (dict(partial_dtype=jnp.int32), TypeError, "(?s)(?=.*partial_dtype)(?=.*float)(?=.*int32)"),
+    ],
+)
+def test_capacity_factor_and_partial_dtype_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_moe((8,), **kwargs)
+
+
+def test_partial_dtype_reaches_both_ops():
+    """partial_dtype=float32 with bfloat16 tokens: the partial sums of combine and of dispatch's backward pass (a
+    combine) travel as float32 [R, T, H] buffers; without it they travel in bfloat16."""
+
+    def exchanged(partial_dtype):
+        model = make_moe((4,), partial_dtype=partial_dtype, param_dtype=jnp.bfloat16)
+        graphdef, state = nnx.split(model)
+
+        def loss(state, x):
+            return jnp.sum(nnx.merge(graphdef, state)(x).out.astype(jnp.float32))
+
+        with jax.set_mesh(model.mesh):
+            closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, jnp.zeros((32, HIDDEN), jnp.bfloat16))
+        return Counter(collective_operands(closed.jaxpr))
+
+    tokens = (4, 8, HIDDEN)  # [R, T, H]
+    f32, default = exchanged(jnp.float32), exchanged(None)
+    assert f32[("all_to_all", "float32", tokens)] == 2 and default[("all_to_all", "float32", tokens)] == 0
+    assert default[("all_to_all", "bfloat16", tokens)] == f32[("all_to_all", "bfloat16", tokens)] + 2

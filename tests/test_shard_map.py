@@ -36,7 +36,7 @@ def _moe_body(layout, axis="ep"):
         else:
             y = jnp.einsum("lch,lhg->lcg", d.x, w_local)
         out = jax_ep.combine(y, d.handle, weights=d.weights)
-        fields = (d.x, d.weights, d.group_sizes, d.num_dropped, d.num_invalid)
+        fields = (d.x, d.weights, d.group_sizes, d.num_dropped, d.num_invalid, d.expert_load, d.row_expert)
         return jax.tree.map(lambda v: v[None], (fields, out))
 
     return body
@@ -49,7 +49,8 @@ def _run(mesh, spec, layout, x, idx, topk_weights, w, axis="ep"):
     with jax.set_mesh(mesh):
         fn = jax.jit(jax.shard_map(_moe_body(layout, axis), in_specs=in_specs, out_specs=spec))
         (fields, out) = to_numpy(fn(*flat))
-    return jax_ep.Dispatched(*fields, handle=None), out
+    *fields, row_expert = fields
+    return jax_ep.Dispatched(*fields, handle=None, row_expert=row_expert), out
 
 
 def _inputs(seed, kind, num_tokens, num_groups=1):

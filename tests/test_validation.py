@@ -75,14 +75,26 @@ def test_numpy_integers_are_accepted_as_sizes():
 # --- x ---------------------------------------------------------------------------------------------------------------
 
 
-def test_x_rank_1():
-    with pytest.raises(ValueError, match=mentions("x", "2", "(4,)")):
-        trace_dispatch(x=((T,), jnp.float32))
+def test_x_scalar():
+    with pytest.raises(ValueError, match=mentions("x", "1", "()")):
+        trace(lambda i, w: jax_ep.dispatch(jnp.float32(1), i, w, num_experts=E, axis_name=AXIS).x, *_ids_and_weights())
 
 
-def test_x_rank_3():
-    with pytest.raises(ValueError, match=mentions("x", "2", "(4, 3, 2)")):
-        trace_dispatch(x=((T, H, 2), jnp.float32))
+def _ids_and_weights():
+    return GOOD["topk_idx"], GOOD["topk_weights"]
+
+
+@pytest.mark.parametrize("lead", [(), (2, 2), (1, 2, 2)], ids=str)
+def test_x_any_leading_dimensions_trace(lead):
+    """Version 3: x [*B, H], topk_idx and topk_weights [*B, K]; combine returns [*B, H']."""
+
+    def fn(x, i, w):
+        d = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS)
+        return jax_ep.combine(d.x[:, :2], d.handle)
+
+    out = trace(fn, ((*lead, H), jnp.float32), ((*lead, K), jnp.int16), ((*lead, K), jnp.bfloat16))
+    per_rank = (*lead, 2)
+    assert out.shape == (R * per_rank[0], *per_rank[1:])
 
 
 def test_x_integer_dtype():
@@ -94,19 +106,35 @@ def test_x_integer_dtype():
 
 
 def test_topk_idx_rank_1():
-    with pytest.raises(ValueError, match=mentions("topk_idx", "2", "(4,)")):
+    with pytest.raises(ValueError, match=mentions("topk_idx", "(4,)", "[*B, K]")):
         trace_dispatch(topk_idx=((T,), jnp.int32), topk_weights=((T,), jnp.float32))
 
 
 def test_topk_idx_wrong_num_tokens():
-    with pytest.raises(ValueError, match=mentions("topk_idx", "4", "(5, 2)")):
+    with pytest.raises(ValueError, match=mentions("topk_idx", "(4,)", "(5, 2)")):
         trace_dispatch(topk_idx=((T + 1, K), jnp.int32), topk_weights=((T + 1, K), jnp.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int16, jnp.uint32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bool_])
 def test_topk_idx_dtype(dtype):
-    with pytest.raises(TypeError, match=mentions("topk_idx", "int32", jnp.dtype(dtype).name)):
+    with pytest.raises(TypeError, match=mentions("topk_idx", "integer", jnp.dtype(dtype).name)):
         trace_dispatch(topk_idx=((T, K), dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int16, jnp.uint8, jnp.uint32])
+def test_topk_idx_any_integer_dtype_traces(dtype):
+    assert trace_dispatch(topk_idx=((T, K), dtype)).shape == (R * C_RAGGED, H)
+
+
+@pytest.mark.parametrize(("num_tokens", "topk"), [(0, K), (T, 0), (0, 0)])
+def test_no_tokens_or_no_slots_trace(num_tokens, topk):
+    """Version 3: T = 0 and K = 0 are valid (no ZeroDivisionError)."""
+    out = trace_dispatch(
+        x=((num_tokens, H), jnp.float32),
+        topk_idx=((num_tokens, topk), jnp.int32),
+        topk_weights=((num_tokens, topk), jnp.float32),
+    )
+    assert out.shape == (R * num_tokens * min(topk, L) * R, H)
 
 
 # --- topk_weights ----------------------------------------------------------------------------------------------------
@@ -122,10 +150,15 @@ def test_topk_weights_rank_1():
         trace_dispatch(topk_weights=((T,), jnp.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
 def test_topk_weights_dtype(dtype):
-    with pytest.raises(TypeError, match=mentions("topk_weights", "float32", jnp.dtype(dtype).name)):
+    with pytest.raises(TypeError, match=mentions("topk_weights", jnp.dtype(dtype).name) + FLOATING):
         trace_dispatch(topk_weights=((T, K), dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_topk_weights_any_float_dtype_traces(dtype):
+    assert trace_dispatch(topk_weights=((T, K), dtype)).shape == (R * C_RAGGED, H)
 
 
 # --- static arguments ------------------------------------------------------------------------------------------------
@@ -174,6 +207,38 @@ def test_expert_alignment_not_positive(alignment):
 def test_expert_alignment_not_an_int():
     with pytest.raises(TypeError, match=mentions("expert_alignment", "int", "2.0")):
         trace_dispatch(expert_alignment=2.0)
+
+
+@pytest.mark.parametrize("policy", ["first", "Balanced", None])
+def test_unknown_drop_policy(policy):
+    with pytest.raises(ValueError, match=mentions("drop_policy", "balanced", "expert", repr(policy))):
+        trace_dispatch(drop_policy=policy)
+
+
+def test_unknown_xla_exchange():
+    with pytest.raises(ValueError, match=mentions("xla_exchange", "auto", "dense", "ragged", "'sparse'")):
+        trace_dispatch(xla_exchange="sparse")
+
+
+@pytest.mark.parametrize(("partial_dtype", "shown"), [(jnp.int32, "int32"), ("foo", "foo")])
+def test_dispatch_partial_dtype_not_floating(partial_dtype, shown):
+    with pytest.raises(TypeError, match=mentions("partial_dtype", shown) + FLOATING):
+        trace_dispatch(partial_dtype=partial_dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(drop_policy="expert"),
+        dict(partial_dtype=jnp.float32),
+        dict(xla_exchange="dense"),
+        dict(xla_exchange="ragged"),
+        dict(layout="expert", drop_policy="balanced"),
+    ],
+    ids=str,
+)
+def test_version_3_keywords_trace(kwargs):
+    assert trace_dispatch(**kwargs).shape[-1] == H
 
 
 # --- axis_name -------------------------------------------------------------------------------------------------------
@@ -328,6 +393,8 @@ def test_combine_partial_dtype_floating_traces(partial_dtype):
         (dict(expert_alignment=0), ValueError, "expert_alignment"),
         (dict(num_ranks=0), ValueError, "num_ranks"),
         (dict(topk=2.0), TypeError, "topk"),
+        (dict(topk=-1), ValueError, "topk"),
+        (dict(num_tokens=-2), ValueError, "num_tokens"),
     ],
 )
 def test_default_capacity_checks_its_arguments(kwargs, error, match):
@@ -335,6 +402,8 @@ def test_default_capacity_checks_its_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         jax_ep.default_capacity(**sizes)
     assert jax_ep.default_capacity(num_ranks=4, num_tokens=8, topk=2, num_experts=16, expert_alignment=4) == 76
+    assert jax_ep.default_capacity(num_ranks=4, num_tokens=0, topk=2, num_experts=16, expert_alignment=4) == 12
+    assert jax_ep.default_capacity(num_ranks=4, num_tokens=8, topk=0, num_experts=16, layout="expert") == 32
 
 
 def test_backend_cuda_on_cpu_devices_says_it_needs_gpus():

@@ -67,6 +67,25 @@ def results() -> dict[str, np.ndarray]:
     return out
 
 
+def wide_ids() -> dict[str, np.ndarray]:
+    """A dispatch whose ids include values outside int32's range: int64 under x64, where they must be invalid and
+    not wrap around (2**32 + 1 to 1, -2**32 - 1 to -1); without x64 the same slots hold -2, an invalid int32 id."""
+    rng = np.random.default_rng(11)
+    x, topk_weights = random_inputs(rng, R, T, H, K)
+    idx = routing(rng, "random", R, T, K, E).astype(np.int64)
+    idx[:, 0, 0], idx[:, 1, 1], idx[:, 2, 2] = 2**32 + 1, -(2**32) - 1, 2**31
+    if not jax.config.jax_enable_x64:
+        idx = np.where((idx < -(2**31)) | (idx >= 2**31), -2, idx).astype(np.int32)
+
+    def body(x, idx, w):
+        return jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+
+    d = to_numpy(ep_jit(body, R)(x, idx, topk_weights))
+    fields = {name: getattr(d, name) for name in ("weights", "group_sizes", "num_invalid", "expert_load")}
+    fields["x"] = specified(d.x, d.group_sizes)
+    return {f"wide_ids-{name}": value for name, value in fields.items()}
+
+
 @pytest.mark.slow  # a subprocess
 def test_x64_runs_without_warnings_and_matches_x32(tmp_path):
     assert not jax.config.jax_enable_x64
@@ -78,7 +97,8 @@ def test_x64_runs_without_warnings_and_matches_x32(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "warn" not in (done.stdout + done.stderr).lower(), done.stdout + done.stderr
     x64 = _load(saved)
-    want = results()
+    want = {**results(), **wide_ids()}
+    assert np.all(want["wide_ids-num_invalid"] >= 3)
     assert sorted(x64) == sorted(want)
     for name, value in want.items():
         if name.endswith(("group_sizes", "num_dropped", "num_invalid")) or "handle" in name:
@@ -102,5 +122,5 @@ if __name__ == "__main__":  # the x64 side, run by the test above
     assert jax.config.jax_enable_x64, "run with JAX_ENABLE_X64=1"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        arrays = results()
+        arrays = {**results(), **wide_ids()}
     _save(Path(sys.argv[1]), arrays)

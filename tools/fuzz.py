@@ -11,13 +11,13 @@ Run from the checkout's root::
 
 Every case is named by one integer seed that fixes everything about it (see :func:`encode_seed`):
 the campaign seed, ``R``, the shape bucket and the case's index. Shapes come from a few fixed buckets per
-``R`` (``T, H, H', K, E, layout, capacity, alignment, dtypes, partial_dtype``, drawn from the campaign
+``R`` (``T, H, H', K, E, layout, capacity, alignment, dtypes, partial_dtype, drop_policy``, drawn from the campaign
 seed), so each bucket compiles once; each case draws its own data and routing. Per case it checks, on the
 8-device simulated CPU mesh (``--platform gpu``: on the first R GPUs, where backend "cuda" gets one
 ``jax_ep.initialize`` sized for every bucket):
 
-* dispatch: ``group_sizes``, ``num_dropped``, ``num_invalid`` and ``weights`` bit for bit, and ``x`` bit for
-  bit on the specified rows (the ragged layout's rows past ``sum(group_sizes)`` are unspecified);
+* dispatch: ``group_sizes``, ``num_dropped``, ``num_invalid``, ``expert_load`` and ``weights`` bit for bit, and
+  ``x`` bit for bit on the specified rows (the ragged layout's rows past ``sum(group_sizes)`` are unspecified);
 * combine, with given weights and with none: within the rounding of the contract's summation order
   against the float64 sum, and bit for bit against ``reference.combine_ordered`` when every product is
   exact in float32 (half the cases);
@@ -71,6 +71,7 @@ from tests.helpers import (  # noqa: E402
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+DROP_POLICIES = reference.DROP_POLICIES
 UNIT = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff
 F32 = UNIT["float32"]
 ROUTINGS = {  # kind: probability
@@ -137,6 +138,7 @@ class Bucket:
     partial_dtype: str | None  # None (y's dtype) or "float32"
     weights_dtype: str = "float32"  # of the row weights given to combine
     backend: str = "xla"
+    drop_policy: str = "balanced"
 
     @property
     def local_experts(self) -> int:
@@ -165,15 +167,17 @@ class Bucket:
             f"R={self.num_ranks} T={self.num_tokens} H={self.hidden} H'={self.y_hidden} K={self.topk} "
             f"E={self.num_experts} (L={self.local_experts}) layout={self.layout} capacity={cap} "
             f"(default {self.default_capacity}) alignment={self.expert_alignment} x={self.x_dtype} "
-            f"y={self.y_dtype} partial_dtype={self.partial_dtype} weights={self.weights_dtype} backend={self.backend}"
+            f"y={self.y_dtype} partial_dtype={self.partial_dtype} weights={self.weights_dtype} backend={self.backend} "
+            f"drop_policy={self.drop_policy}"
         )
 
 
 def draw_bucket(campaign: int, num_ranks: int, bucket: int, backend: str = "xla") -> Bucket:
     """Bucket ``bucket`` of ``R = num_ranks`` in campaign ``campaign`` (a pure function of those three).
 
-    Buckets 0..5 of each ``R`` cover both layouts and the three dtypes of ``x`` (offset by ``log2 R``, so
-    two buckets per ``R`` over R = 1, 2, 4, 8 still see every dtype); everything else is drawn.
+    Buckets 0..5 of each ``R`` cover both layouts, the three dtypes of ``x`` and both drop policies (offset by
+    ``log2 R``, so two buckets per ``R`` over R = 1, 2, 4, 8 still see every dtype and policy); everything else
+    is drawn.
     """
     rng = np.random.default_rng([campaign, num_ranks, bucket, 0xB0C])
     layout = reference.LAYOUTS[bucket % 2]
@@ -219,7 +223,13 @@ def draw_bucket(campaign: int, num_ranks: int, bucket: int, backend: str = "xla"
             capacity = int(rng.integers(1, max(2, default // 2 + 1)))
         else:  # larger than needed
             capacity = default + int(rng.integers(1, 9))
-        shape = dataclasses.replace(shape, capacity=capacity)
+        # Buckets 0..5 alternate the drop policy with log2 R (so each layout sees both over R = 1, 2, 4, 8); the
+        # others draw it from a stream of its own, so that the other draws stay those of earlier campaigns.
+        if bucket < 6:
+            policy = DROP_POLICIES[(bucket // 2 + int(np.log2(num_ranks))) % 2]
+        else:
+            policy = str(np.random.default_rng([campaign, num_ranks, bucket, 0xD20]).choice(DROP_POLICIES))
+        shape = dataclasses.replace(shape, capacity=capacity, drop_policy=policy)
         if num_ranks * shape.rows * max(hidden, y_hidden) <= ROWS_BUDGET:
             return shape
 
@@ -367,6 +377,7 @@ def make_case(
         layout=b.layout,
         capacity=b.capacity,
         expert_alignment=b.expert_alignment,
+        drop_policy=b.drop_policy,
     )
 
     layout_shape = ref.weights.shape  # [R, C] or [R, L, C]
@@ -405,6 +416,7 @@ def program(bucket: Bucket, platform: str = "cpu"):
         layout=b.layout,
         capacity=b.capacity,
         expert_alignment=b.expert_alignment,
+        drop_policy=b.drop_policy,
         backend=b.backend,
     )
 
@@ -427,6 +439,7 @@ def program(bucket: Bucket, platform: str = "cpu"):
             group_sizes=d.group_sizes,
             num_dropped=d.num_dropped,
             num_invalid=d.num_invalid,
+            expert_load=d.expert_load,
             out_w=out_w,
             out_1=out_1,
             dx=dx,
@@ -553,7 +566,7 @@ def check_case(case: Case, got: dict[str, np.ndarray], rank: int | None = None) 
     report = problems.append
 
     # dispatch: every specified field bit for bit.
-    for field in ("group_sizes", "num_dropped", "num_invalid", "weights"):
+    for field in ("group_sizes", "num_dropped", "num_invalid", "expert_load", "weights"):
         report(bits_mismatch(f"dispatch.{field}", got[field], pick(getattr(ref, field))))
     if got["x"].shape == pick(ref.x).shape:
         report(bits_mismatch("dispatch.x (specified rows)", ragged_specified(got["x"]), ragged_specified(pick(ref.x))))
@@ -665,6 +678,7 @@ def _counts_of(case: Case) -> dict[str, str]:
         by_weights_dtype=b.weights_dtype,
         by_routing=case.routing,
         by_capacity=cap,
+        by_drop_policy=b.drop_policy,
         by_alignment=str(b.expert_alignment),
         k_gt_l=str(b.topk > b.local_experts),
         h_multiple_of_8=str(b.hidden % 8 == 0),

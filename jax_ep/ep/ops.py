@@ -5,16 +5,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .._validate import check_array, check_choice, check_float_dtype, check_positive_int
 from . import backends, call_sites, fp8
-from .types import LAYOUTS, Config, Dispatched, Handle, PendingCombine, PendingDispatch, RowType
+from .types import (
+    DROP_POLICIES,
+    LAYOUTS,
+    XLA_EXCHANGES,
+    Config,
+    Dispatched,
+    Handle,
+    PendingCombine,
+    PendingDispatch,
+    RowType,
+)
 
 TRANSFERS = ("fused", "separate")
 HANDLE = "jax_ep_handle"  # jax.checkpoint names: everything a dispatch returns but its rows
@@ -28,9 +40,11 @@ def default_capacity(
 
     Ragged: ``R*T*min(K, L) + L*(expert_alignment-1)``; expert: ``R*T``. With
     distinct expert ids per token nothing is ever dropped at this size.
+    ``num_tokens`` and ``topk`` may be 0.
     """
-    for name, value in (("num_ranks", num_ranks), ("num_tokens", num_tokens), ("topk", topk)):
-        check_positive_int(name, value)
+    num_ranks = check_positive_int("num_ranks", num_ranks)
+    num_tokens = check_positive_int("num_tokens", num_tokens, minimum=0)
+    topk = check_positive_int("topk", topk, minimum=0)
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
@@ -72,20 +86,26 @@ def dispatch(
     layout: str = "ragged",
     capacity: int | None = None,
     expert_alignment: int = 1,
+    drop_policy: str = "balanced",
+    partial_dtype: Any = None,
     wire_dtype: Any = None,
     backend: str = "auto",
     transfer: str = "fused",
+    xla_exchange: str = "auto",
 ) -> Dispatched:
     """Send each token to the ranks of its top-k experts.
 
     Call inside ``jax.shard_map`` over the EP mesh axis ``axis_name`` (R ranks);
-    every argument is this rank's shard.
+    every argument is this rank's shard. The op works on the ``T = prod(B)``
+    tokens of ``x``'s leading dimensions ``B``.
 
     Args:
-      x: ``[T, H]`` tokens, any floating dtype.
-      topk_idx: ``[T, K]`` int32 global expert ids in ``[0, num_experts)``;
-        -1 marks an unused slot, any other value is invalid and counted.
-      topk_weights: ``[T, K]`` float32 routing weights.
+      x: ``[*B, H]`` tokens, any floating dtype.
+      topk_idx: ``[*B, K]`` global expert ids in ``[0, num_experts)``, any
+        integer dtype; -1 marks an unused slot, any other value (one outside
+        int32's range included) is invalid and counted.
+      topk_weights: ``[*B, K]`` routing weights, any floating dtype: the weight
+        used is its float32 value, and its gradient has ``topk_weights``' dtype.
       num_experts: E, a multiple of R. Expert ``e`` lives on rank ``e // L``.
       axis_name: the EP mesh axis.
       layout: ``"ragged"`` (expert segments one after another, for
@@ -94,6 +114,16 @@ def dispatch(
         ``None`` is :func:`default_capacity`. Slots that do not fit are
         dropped and counted in ``num_dropped``.
       expert_alignment: ragged segments are padded to a multiple of this.
+      drop_policy: which slots a too-small ragged ``capacity`` keeps: within
+        each local expert always its first ones in (source rank, token, k)
+        order. ``"balanced"``: expert ``j`` keeps ``min(n_j, c)`` of its
+        ``n_j`` slots, ``c`` the largest integer with
+        ``sum_j align_up(min(n_j, c), expert_alignment) <= C``. ``"expert"``:
+        the first ``C`` rows of the layout without a capacity. The expert
+        layout keeps each expert's first ``C`` slots under either.
+      partial_dtype: the ``partial_dtype`` of the backward pass, a combine of
+        the cotangent of ``Dispatched.x`` (None: its dtype);
+        ``jnp.float32`` makes ``dx`` the float32 sum over slots, rounded once.
       wire_dtype: None (rows travel in ``x``'s dtype) or ``jnp.float8_e4m3fn``:
         rows travel as e4m3 with one float32 scale per 128 values (``H`` a
         multiple of 128) and ``x`` comes back dequantized; the gradient passes
@@ -104,6 +134,11 @@ def dispatch(
         handle in another, so that a ``jax.checkpoint`` that saves
         ``"jax_ep_handle"`` recomputes only the rows' transfer. Both give the
         same results and gradients bit for bit.
+      xla_exchange: how the xla backend moves tokens: ``"dense"`` (a
+        ``[R, T, H]`` buffer per trip, ``lax.all_to_all``), ``"ragged"`` (each
+        (token, destination rank) pair once, ``lax.ragged_all_to_all``) or
+        ``"auto"``: ragged on TPU, dense elsewhere. The same results bit for
+        bit; the cuda backend ignores it.
 
     Returns:
       A :class:`Dispatched`; see its docstring for shapes. Under
@@ -111,7 +146,19 @@ def dispatch(
       field ``"jax_ep_handle"`` (``jax.ad_checkpoint.checkpoint_name``).
     """
     config = _dispatch_config(
-        x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+        x,
+        topk_idx,
+        topk_weights,
+        num_experts=num_experts,
+        axis_name=axis_name,
+        layout=layout,
+        capacity=capacity,
+        expert_alignment=expert_alignment,
+        drop_policy=drop_policy,
+        partial_dtype=partial_dtype,
+        wire_dtype=wire_dtype,
+        backend=backend,
+        xla_exchange=xla_exchange,
     )
     config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch"))
     check_choice("transfer", transfer, TRANSFERS)
@@ -121,42 +168,82 @@ def dispatch(
             "which takes float32, bfloat16 or float16 rows, not FP8; use transfer='fused' with wire_dtype, or "
             "wire_dtype=None"
         )
+    x, topk_idx, topk_weights = _flat_inputs(config, x, topk_idx, topk_weights)
     with jax.named_scope("jax_ep.dispatch"):
+        if config.empty:
+            return _finished(config, _empty_dispatch(config, x))
         if transfer == "fused":
-            return _named(_dispatch(config, x, topk_idx, topk_weights))
-        routed = _named(_route(config, topk_idx, topk_weights))
+            return _finished(config, _dispatch(config, x, topk_idx, topk_weights))
+        routed = _finished(config, _route(config, topk_idx, topk_weights))
         rows = _transfer(config, RowType(x.shape[1], jnp.dtype(x.dtype)), x, routed.handle)
         return dataclasses.replace(routed, x=checkpoint_name(rows.reshape(config.layout_shape(x.shape[1])), ROWS))
 
 
-def _named(d: Dispatched) -> Dispatched:
-    """``d`` with its fields named for ``jax.checkpoint`` policies: ``x`` ROWS, the others HANDLE."""
+def _finished(config: Config, d: Dispatched) -> Dispatched:
+    """A backend's dispatch with ``row_expert`` filled in and its fields named for ``jax.checkpoint`` policies:
+    ``x`` ROWS, the others HANDLE."""
+    d = dataclasses.replace(d, row_expert=_row_expert(config, d.group_sizes))
     rest = checkpoint_name(dataclasses.replace(d, x=None), HANDLE)
     return dataclasses.replace(rest, x=checkpoint_name(d.x, ROWS))
 
 
+def _row_expert(config: Config, group_sizes: jax.Array) -> jax.Array | None:
+    """Ragged: ``[C]`` int32, the local expert of each row, -1 past ``sum(group_sizes)``; expert layout: None."""
+    if config.layout != "ragged":
+        return None
+    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+    rows = jax.lax.iota(jnp.int32, config.capacity)
+    # Row i lies in segment j when j segments end at or before it (empty segments end where the previous one does).
+    expert = jnp.searchsorted(ends, rows, side="right", method="scan_unrolled").astype(jnp.int32)
+    return jnp.where(expert < config.local_experts, expert, -1)
+
+
 def _dispatch_config(
-    x, topk_idx, topk_weights, num_experts, axis_name, layout, capacity, expert_alignment, wire_dtype, backend
+    x,
+    topk_idx,
+    topk_weights,
+    *,
+    num_experts,
+    axis_name,
+    layout,
+    capacity,
+    expert_alignment,
+    drop_policy,
+    partial_dtype,
+    wire_dtype,
+    backend,
+    xla_exchange,
 ) -> Config:
     """The checked arguments of a dispatch (or dispatch_start) as its static Config."""
-    check_array("x", x, ndim=2, kind="floating")
-    num_tokens, hidden = x.shape
-    check_array("topk_idx", topk_idx, ndim=2, dtype=jnp.int32, leading=(num_tokens,))
-    check_array("topk_weights", topk_weights, shape=topk_idx.shape, dtype=jnp.float32)
+    check_array("x", x, kind="floating")
+    if x.ndim < 1:
+        raise ValueError(f"jax_ep: x must have at least 1 dimension ([*B, H]), got shape {tuple(x.shape)}")
+    token_shape, hidden = tuple(x.shape[:-1]), x.shape[-1]
+    check_array("topk_idx", topk_idx, kind="integer")
+    if topk_idx.ndim != x.ndim or tuple(topk_idx.shape[:-1]) != token_shape:
+        raise ValueError(
+            f"jax_ep: topk_idx must have shape [*B, K] with x's leading dimensions B = {token_shape}, "
+            f"got shape {tuple(topk_idx.shape)} (x: {tuple(x.shape)})"
+        )
+    check_array("topk_weights", topk_weights, shape=topk_idx.shape, kind="floating")
     num_experts = check_positive_int("num_experts", num_experts)
     expert_alignment = check_positive_int("expert_alignment", expert_alignment)
     check_choice("layout", layout, LAYOUTS)
+    check_choice("drop_policy", drop_policy, DROP_POLICIES)
+    check_choice("xla_exchange", xla_exchange, XLA_EXCHANGES)
+    if partial_dtype is not None:
+        partial_dtype = check_float_dtype("partial_dtype", partial_dtype).name
     wire = fp8.check_wire_dtype(wire_dtype, hidden)
     if capacity is not None:
         capacity = check_positive_int("capacity", capacity)
     num_ranks = _axis_size(axis_name)
     _check_experts("jax_ep.dispatch", num_experts, num_ranks, f"the size of axis {axis_name!r}")
-    topk = topk_idx.shape[1]
+    num_tokens, topk = math.prod(token_shape), topk_idx.shape[-1]
     if capacity is None:
         capacity = _capacity(num_ranks, num_tokens, topk, num_experts, layout, expert_alignment)
-    # Alignment beyond the capacity pads nothing more (every row past C is cut): the same layout, and segment
-    # starts that stay small.
-    expert_alignment = min(expert_alignment, capacity)
+    # An alignment past the capacity fits no segment of a slot: C + 1 keeps both drop policies' layouts (nothing
+    # kept under "balanced", every row past C cut under "expert") with segment starts that stay small.
+    expert_alignment = min(expert_alignment, capacity + 1)
     resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
     return Config(
         axis_name=axis_name,
@@ -170,6 +257,57 @@ def _dispatch_config(
         backend=resolved,
         group=group,
         wire_dtype=None if wire is None else wire.name,
+        drop_policy=drop_policy,
+        partial_dtype=partial_dtype,
+        xla_exchange=xla_exchange,
+        token_shape=token_shape,
+    )
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _flat_inputs(config: Config, x, topk_idx, topk_weights) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What every backend takes: ``x [T, H]``, ``topk_idx [T, K]`` int32 and ``topk_weights [T, K]`` float32.
+
+    An id outside int32's range becomes ``-2**31``, an invalid id, never one that wraps around into a valid id or
+    -1. The weights' float32 values are used, and their gradient comes back in their dtype.
+    """
+    num_tokens, topk = config.num_tokens, config.topk
+    x = x.reshape(num_tokens, x.shape[-1])
+    idx = topk_idx.reshape(num_tokens, topk)
+    info = jnp.iinfo(idx.dtype)
+    if info.min < _INT32.min or info.max > _INT32.max:
+        fits = (idx <= np.array(_INT32.max, idx.dtype)) & (idx >= np.array(max(info.min, _INT32.min), idx.dtype))
+        idx = jnp.where(fits, idx.astype(jnp.int32), _INT32.min)
+    return x, idx.astype(jnp.int32), topk_weights.reshape(num_tokens, topk).astype(jnp.float32)
+
+
+def _empty_dispatch(config: Config, x: jax.Array) -> Dispatched:
+    """The dispatch of no slot (``T = 0`` or ``K = 0``), the same on every rank: nothing travels, no backend runs.
+    Its arrays vary over the mesh axes as ``x`` does."""
+
+    def full(value, shape, dtype=jnp.int32):
+        return jax.lax.full_like(x, value, dtype, shape)
+
+    num_ranks, num_tokens, topk = config.num_ranks, config.num_tokens, config.topk
+    handle = Handle(
+        token_dest_pos=full(-1, (num_tokens, num_ranks)),
+        send_counts=full(0, (num_ranks,)),
+        slot_dest=full(-1, (num_tokens, topk)),
+        recv_rows=full(-1, (num_ranks, num_tokens, topk)),
+        recv_counts=full(0, (num_ranks,)),
+        row_slot=full(-2 if config.layout == "ragged" else -1, (config.num_rows,)),
+        config=config,
+    )
+    return Dispatched(
+        x=full(0, config.layout_shape(x.shape[-1]), x.dtype),
+        weights=full(0, config.weights_shape, jnp.float32),
+        group_sizes=full(0, (config.local_experts,)),
+        num_dropped=full(0, ()),
+        num_invalid=full(0, ()),
+        expert_load=full(0, (config.local_experts,)),
+        handle=handle,
     )
 
 
@@ -194,11 +332,24 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, p
         travels.
 
     Returns:
-      ``[T, H]`` in the dtype of ``y``.
+      ``[*B, H']`` in the dtype of ``y``: the leading dimensions of the
+      dispatched ``x``, and ``y``'s last dimension.
     """
     partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
     with jax.named_scope("jax_ep.combine"):
-        return _combine(partial, call_sites.site("jax_ep.combine"), y, handle, weights)
+        if handle.config.empty:
+            return _empty_combine(handle.config, y)
+        return _tokens(handle.config, _combine(partial, call_sites.site("jax_ep.combine"), y, handle, weights))
+
+
+def _tokens(config: Config, out: jax.Array) -> jax.Array:
+    """A backend's combine output ``[T, H']`` shaped ``[*B, H']`` like the dispatched ``x``."""
+    return out.reshape(*config.batch_shape, out.shape[-1])
+
+
+def _empty_combine(config: Config, y: jax.Array) -> jax.Array:
+    """The combine of a dispatch of no slot: zeros ``[*B, H']``, varying as ``y`` does."""
+    return jax.lax.full_like(y, 0, y.dtype, (*config.batch_shape, y.shape[-1]))
 
 
 def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
@@ -233,10 +384,11 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 
 
 def _dispatch_bwd(config, handle, cotangent):
-    rows_ct = cotangent.x.reshape(config.num_rows, -1)
+    rows_ct = cotangent.x.reshape(config.num_rows, cotangent.x.shape[-1])
     backend = backends.module(config.backend)
+    partial = config.partial_dtype or rows_ct.dtype
     site = call_sites.backward(config.site, "the backward pass")
-    dx, dtopk_weights = backend.combine(handle, rows_ct, None, rows_ct.dtype, cotangent.weights.reshape(-1), site=site)
+    dx, dtopk_weights = backend.combine(handle, rows_ct, None, partial, cotangent.weights.reshape(-1), site=site)
     return dx, None, dtopk_weights
 
 
@@ -280,7 +432,8 @@ def _transfer_fwd(config, x_type, x, handle):
 
 def _transfer_bwd(config, x_type, handle, rows_ct):
     site = call_sites.backward(config.site, "the backward pass of the rows' transfer")
-    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, rows_ct.dtype, site=site)
+    partial = config.partial_dtype or rows_ct.dtype
+    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, partial, site=site)
     return dx, None
 
 
@@ -328,9 +481,13 @@ def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *
         raise ValueError("jax_ep.dispatch_start: transfer must be 'fused'; the split ops route and send in the start")
     config = _dispatch_config(x, topk_idx, topk_weights, **keywords)
     config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch_start"))
+    x, topk_idx, topk_weights = _flat_inputs(config, x, topk_idx, topk_weights)
     x_type = RowType(x.shape[1], jnp.dtype(x.dtype))
     with jax.named_scope("jax_ep.dispatch_start"):
-        started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
+        if config.empty:  # the finish makes the empty dispatch from x alone
+            started = x
+        else:
+            started = _dispatch_start(config, x_type, x, topk_idx, topk_weights)
     return PendingDispatch(started, config, x_type)
 
 
@@ -347,8 +504,11 @@ def dispatch_finish(pending: PendingDispatch) -> Dispatched:
         raise TypeError(
             f"jax_ep.dispatch_finish: expected what jax_ep.dispatch_start returned, got {type(pending).__name__}"
         )
+    config = pending.config
     with jax.named_scope("jax_ep.dispatch_finish"):
-        return _named(_dispatch_finish(pending.config, pending.x_type, pending.started))
+        if config.empty:
+            return _finished(config, _empty_dispatch(config, pending.started))
+        return _finished(config, _dispatch_finish(config, pending.x_type, pending.started))
 
 
 def combine_start(
@@ -362,19 +522,22 @@ def combine_start(
     partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
     site = call_sites.site("jax_ep.combine_start")
     with jax.named_scope("jax_ep.combine_start"):
-        started = _combine_start(partial, site, y, handle, weights)
+        started = None if handle.config.empty else _combine_start(partial, site, y, handle, weights)
     return PendingCombine(y, handle, weights, started, partial, site)
 
 
 def combine_finish(pending: PendingCombine) -> jax.Array:
-    """The ``[T, H]`` output of a :func:`combine_start`."""
+    """The ``[*B, H']`` output of a :func:`combine_start`."""
     if not isinstance(pending, PendingCombine):
         raise TypeError(
             f"jax_ep.combine_finish: expected what jax_ep.combine_start returned, got {type(pending).__name__}"
         )
     q = pending
+    config = q.handle.config
     with jax.named_scope("jax_ep.combine_finish"):
-        return _combine_finish(q.partial_dtype, q.site, q.y, q.handle, q.weights, q.started)
+        if config.empty:
+            return _empty_combine(config, q.y)
+        return _tokens(config, _combine_finish(q.partial_dtype, q.site, q.y, q.handle, q.weights, q.started))
 
 
 # The split ops' custom VJPs. The backward pass of each finish starts the backward exchange and the backward
@@ -413,7 +576,7 @@ def _dispatch_finish_fwd(config, x_type, started):
 
 
 def _dispatch_finish_bwd(config, x_type, handle, cotangent):
-    rows_ct = cotangent.x.reshape(config.num_rows, -1)
+    rows_ct = cotangent.x.reshape(config.num_rows, cotangent.x.shape[-1])
     backend = backends.module(config.backend)
     return (backend.dispatch_finish_backward(handle, rows_ct, cotangent.weights.reshape(-1)),)
 
@@ -422,7 +585,7 @@ _dispatch_finish.defvjp(_dispatch_finish_fwd, _dispatch_finish_bwd)
 
 
 def _combine_rows(y: jax.Array, handle: Handle, weights: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
-    return y.reshape(handle.config.num_rows, -1), None if weights is None else weights.reshape(-1)
+    return y.reshape(handle.config.num_rows, y.shape[-1]), None if weights is None else weights.reshape(-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

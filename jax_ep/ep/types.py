@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import jax
 
 LAYOUTS = ("ragged", "expert")
+DROP_POLICIES = ("balanced", "expert")
+XLA_EXCHANGES = ("auto", "dense", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +32,23 @@ class Config:
     backend: str  # resolved: "xla" or "cuda"
     group: int = -1  # backend "cuda": the id of the jax_ep.Group that serves axis_name
     wire_dtype: str | None = None  # "float8_e4m3fn": rows travel packed as FP8 (jax_ep.ep.fp8); None: in x's dtype
+    drop_policy: str = "balanced"  # which slots a too-small ragged capacity keeps: "balanced" or "expert"
+    partial_dtype: str | None = None  # dispatch's backward pass (a combine): its partial sums' dtype; None: the rows'
+    xla_exchange: str = "auto"  # backend "xla": "dense", "ragged", or "auto" (ragged on TPU, dense elsewhere)
+    token_shape: tuple[int, ...] | None = None  # the leading dimensions B of dispatch's x; None: (num_tokens,)
     # The call site of the dispatch (jax_ep.ep.call_sites), for backend "cuda"'s tags. Not compared: handles of
     # dispatches at different sites are pytrees of one structure (the two branches of a lax.cond, say).
     site: int = dataclasses.field(default=0, compare=False)
+
+    @property
+    def empty(self) -> bool:
+        """No slots at all (T = 0 or K = 0): nothing travels, and no backend runs."""
+        return self.num_tokens == 0 or self.topk == 0
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading dimensions of dispatch's ``x`` (and of combine's output): ``B``, ``prod(B) = T``."""
+        return (self.num_tokens,) if self.token_shape is None else self.token_shape
 
     @property
     def local_experts(self) -> int:
@@ -109,7 +125,16 @@ class Dispatched:
       not fit in the capacity.
     * ``num_invalid``: int32 scalar, slots of this rank's ``topk_idx`` that are
       neither -1 nor a valid expert id.
+    * ``expert_load``: ``[L]`` int32, the valid slots that all ranks routed to
+      each local expert, counted before capacity: ``sum(expert_load)`` is the
+      slots kept plus ``num_dropped``.
     * ``handle``: :class:`Handle`, for :func:`jax_ep.combine`.
+    * ``row_expert``: ragged: ``[C]`` int32, the local expert of each row
+      (alignment padding included), -1 past ``sum(group_sizes)``; derived
+      from ``group_sizes`` by :func:`jax_ep.dispatch`. Expert: None (row ``i``
+      of ``x[j]`` belongs to expert ``j``).
+
+    A backend returns ``row_expert`` None; the public ops fill it in.
     """
 
     x: jax.Array
@@ -117,7 +142,9 @@ class Dispatched:
     group_sizes: jax.Array
     num_dropped: jax.Array
     num_invalid: jax.Array
+    expert_load: jax.Array
     handle: Handle
+    row_expert: jax.Array | None = None
 
 
 class RowType(NamedTuple):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._validate import check_array, check_choice
+from .._validate import check_array, check_choice, check_float_dtype
 from . import padded as _padded
 from .vma import varying_axes, varying_like_inputs
 
@@ -166,16 +166,32 @@ def hopper_available() -> bool:
     return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """``jax.lax.ragged_dot(x, w, group_sizes)``, on Hopper GPUs with Pallas Mosaic GPU kernels.
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    group_offset: jax.Array | None = None,
+    *,
+    impl: str = "auto",
+) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)``, on Hopper GPUs with Pallas
+    Mosaic GPU kernels. It takes ``ragged_dot``'s call, keyword for keyword.
 
-    Rows ``[start_g, start_g + group_sizes[g])`` of ``x`` (groups laid end to end from row 0) are
-    multiplied by ``w[g]``.
+    Rows ``[start_g, start_g + group_sizes[g])`` of ``lhs`` (groups laid end to end from row 0) are
+    multiplied by ``rhs[g]``.
 
     Args:
-      x: ``[M, K]`` floating.
-      w: ``[G, K, N]`` floating.
-      group_sizes: ``[G]`` int32, ``sum(group_sizes) <= M``.
+      lhs: ``[M, K]`` floating.
+      rhs: ``[G, K, N]`` floating.
+      group_sizes: ``[G]``, any integer dtype, ``sum(group_sizes) <= M``.
+      precision: as ``ragged_dot``'s, for XLA's path; the Mosaic path (bfloat16 or float16 operands) multiplies
+        them exactly and accumulates in float32 whatever it says.
+      preferred_element_type: the output dtype, as ``ragged_dot``'s (None: the operands' result dtype). The
+        Mosaic path writes the operands' dtype, so another dtype takes XLA's path.
+      group_offset: must be None (``ragged_dot``'s sharded-group form is not implemented):
+        ``NotImplementedError`` otherwise.
       impl: ``"auto"``: the Mosaic kernels where they run (below), else ``jax.lax.ragged_dot`` (the
         environment variable ``JAX_EP_GROUPED_MATMUL=xla`` or ``=mosaic``, read at trace time, overrides
         it, e.g. for ``jax_ep.nn.MoE``); ``"mosaic"``: the Mosaic kernels, or a ``ValueError`` saying why
@@ -183,32 +199,52 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
 
     Returns:
       ``[M, N]`` in ``ragged_dot``'s dtype. Rows past ``sum(group_sizes)`` are unspecified (the Mosaic
-      path does not write them); whatever they hold, and whatever rows of ``x`` (or of the output's
+      path does not write them); whatever they hold, and whatever rows of ``lhs`` (or of the output's
       cotangent) past ``sum(group_sizes)`` hold, NaN included, never reaches the valid rows or the
-      gradients. The gradient w.r.t. ``x`` is 0 on rows past ``sum(group_sizes)``.
+      gradients. The gradient w.r.t. ``lhs`` is 0 on rows past ``sum(group_sizes)``.
 
-    The Mosaic path is taken when every GPU jax sees is a Hopper (compute capability 9.x), ``x`` and
-    ``w`` are both bfloat16 or both float16, and the tiles of at least one of the three kernels divide
-    the shape (``K`` and ``N`` multiples of 64); any ``M`` is taken (when it is not a multiple of 8, ``x``
-    is padded with zero rows for the kernels). It is a ``jax.custom_vjp``: the forward pass, ``dx =
-    ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a kernel whose tiles divide the shape,
-    or XLA's ``ragged_dot`` otherwise. When every group has at most ``C`` rows (about ``M / G`` plus 4.5
-    times its square root, and at most 1.5 ``M / G``; :mod:`jax_ep.gmm.padded`), checked on the device,
-    ``dw`` runs instead as one dense batched matmul over the groups padded to ``C`` rows, and so do the forward
-    pass and ``dx`` when there are at least 256 groups. All accumulate in float32 and round once to the output
-    dtype. Inside the computation the choice between kernel and XLA is made per platform
-    (``jax.lax.platform_dependent``), so the same function also runs on CPU devices.
+    The Mosaic path is taken when every GPU jax sees is a Hopper (compute capability 9.x), ``lhs`` and
+    ``rhs`` are both bfloat16 or both float16, ``preferred_element_type`` is None or their dtype, and the
+    tiles of at least one of the three kernels divide the shape (``K`` and ``N`` multiples of 64); any ``M``
+    is taken (when it is not a multiple of 8, ``lhs`` is padded with zero rows for the kernels). It is a
+    ``jax.custom_vjp``: the forward pass, ``dx = ragged_dot(dy, w^T)`` and ``dw[g] = x_g^T dy_g`` each run a
+    kernel whose tiles divide the shape, or XLA's ``ragged_dot`` otherwise. When every group has at most
+    ``C`` rows (about ``M / G`` plus 4.5 times its square root, and at most 1.5 ``M / G``;
+    :mod:`jax_ep.gmm.padded`), checked on the device, ``dw`` runs instead as one dense batched matmul over
+    the groups padded to ``C`` rows, and so do the forward pass and ``dx`` when there are at least 256 groups.
+    All accumulate in float32 and round once to the output dtype. Inside the computation the choice between
+    kernel and XLA is made per platform (``jax.lax.platform_dependent``), so the same function also runs on
+    CPU devices.
     """
+    if group_offset is not None:
+        raise NotImplementedError(
+            f"jax_ep.grouped_matmul: group_offset must be None (ragged_dot's sharded-group form is not implemented), "
+            f"got {group_offset!r}"
+        )
     check_choice("impl", impl, IMPLS)
-    check_array("x", x, ndim=2, kind="floating")
-    check_array("w", w, ndim=3, kind="floating")
-    check_array("group_sizes", group_sizes, shape=(w.shape[0],), dtype=jnp.int32)
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"jax_ep: x [M, K] and w [G, K, N] must share K, got {tuple(x.shape)} and {tuple(w.shape)}")
-    plan = mosaic_plan(x.shape, w.shape, x.dtype, w.dtype, impl, "jax_ep.grouped_matmul")
+    check_array("lhs", lhs, ndim=2, kind="floating")
+    check_array("rhs", rhs, ndim=3, kind="floating")
+    check_array("group_sizes", group_sizes, shape=(rhs.shape[0],), kind="integer")
+    if lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(
+            f"jax_ep: lhs [M, K] and rhs [G, K, N] must share K, got {tuple(lhs.shape)} and {tuple(rhs.shape)}"
+        )
+    if preferred_element_type is not None:
+        preferred_element_type = check_float_dtype("preferred_element_type", preferred_element_type)
+    group_sizes = group_sizes.astype(jnp.int32)
+    dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+    if preferred_element_type is None or preferred_element_type == dtype:
+        plan = mosaic_plan(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, impl, "jax_ep.grouped_matmul")
+    elif impl == "mosaic":
+        raise ValueError(
+            f"jax_ep.grouped_matmul: impl='mosaic' writes the operands' dtype {dtype}, not "
+            f"preferred_element_type={preferred_element_type}; use impl='auto' or 'xla'"
+        )
+    else:
+        plan = None
     if plan is None:
-        return lax.ragged_dot(x, w, group_sizes)
-    return custom_grouped_matmul(x, w, group_sizes, plan)
+        return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+    return custom_grouped_matmul(lhs, rhs, group_sizes, plan)
 
 
 def mosaic_plan(x_shape, w_shape, x_dtype, w_dtype, impl: str, caller: str) -> Plan | None:

@@ -32,10 +32,12 @@ class Backend(Protocol):
     """
 
     def dispatch(self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-        """The whole dispatch: layout rows, weights, sizes and the handle."""
+        """The whole dispatch: layout rows, weights, sizes, ``expert_load`` and the handle, under
+        ``config.drop_policy``. ``row_expert`` stays None: the public ops derive it from ``group_sizes``."""
 
     def route(self, config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-        """A dispatch that moves no rows (``x`` has no columns): the routing, weights, sizes and handle."""
+        """A dispatch that moves no rows (``x`` has no columns): the routing, weights, sizes, ``expert_load`` and
+        handle."""
 
     def transfer(self, handle: Handle, rows: jax.Array, *, site: int) -> jax.Array:
         """Token rows ``[T, W]`` along ``handle``: layout rows ``[N, W]``, as a dispatch moves them; 0 where no
@@ -65,10 +67,13 @@ class Backend(Protocol):
         self, config: Config, rows: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, x_type: RowType
     ) -> Any: ...
 
-    def dispatch_finish(self, config: Config, started: Any) -> Dispatched: ...
+    def dispatch_finish(self, config: Config, started: Any) -> Dispatched:
+        """What :meth:`dispatch` returns, ``expert_load`` included."""
 
     def dispatch_finish_backward(self, handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> Any:
-        """The cotangent of ``started``."""
+        """The cotangent of ``started``: the start of a combine of the cotangent rows whose partial sums travel in
+        ``handle.config.partial_dtype`` (dispatch's; None: ``rows_ct``'s dtype), as ops.py's whole-op backward
+        passes ask :meth:`combine` for."""
 
     def dispatch_start_backward(
         self, config: Config, started: Any, dstarted: Any, x_type: RowType

@@ -164,6 +164,7 @@ def _attrs(config: Config, target: str, site: int, **combine: bool) -> dict[str,
             capacity=config.capacity,
             alignment=config.expert_alignment,
             expert_layout=config.layout == "expert",
+            balanced=config.drop_policy == "balanced",
         )
     return {**attrs, **combine}
 
@@ -331,10 +332,12 @@ def combine_finish(
 def dispatch_finish_backward(handle: Handle, rows_ct: jax.Array, weights_ct: jax.Array) -> DispatchStarted:
     """The backward pass of the finish: the start of the cotangents' combine, carried in ``sent``. It stages this
     rank's own partial sums too, so that its finish needs only what the start made."""
+    config = handle.config
     operands = _combine_operands(handle, rows_ct, None, weights_ct)
-    site = call_sites.backward(handle.config.site, "the backward pass")
-    args = (handle.config, operands, rows_ct.shape[1], rows_ct.dtype)
-    sent = _combine("jax_ep_combine_start", *args, site=site, stage_own=True)["sent"]
+    site = call_sites.backward(config.site, "the backward pass")
+    partial_f32 = _partial_f32(rows_ct, config.partial_dtype or rows_ct.dtype)
+    args = (config, operands, rows_ct.shape[1], rows_ct.dtype)
+    sent = _combine("jax_ep_combine_start", *args, site=site, partial_f32=partial_f32, stage_own=True)["sent"]
     return DispatchStarted(None, None, None, sent)
 
 
@@ -353,8 +356,9 @@ def dispatch_start_backward(config: Config, started: DispatchStarted, dstarted: 
         dstarted.sent,
     )
     site = call_sites.backward(config.site, "the backward pass")
+    partial_f32 = _partial_f32(operands[0], config.partial_dtype or dtype)  # as the start's (its rows' dtype)
     args = (config, operands, hidden, dtype)
-    out = _combine("jax_ep_combine_finish", *args, site=site, with_values=True, stage_own=True)
+    out = _combine("jax_ep_combine_finish", *args, site=site, with_values=True, partial_f32=partial_f32, stage_own=True)
     return out["out"], out["slot_values"]
 
 
