@@ -80,33 +80,12 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
-// One warp: the ranks that hold rows of a token (dest_pos[d] >= 0, its position in the send list to d), in ascending
-// order, and their positions, into the warp's shared arrays. Returns how many there are.
-__device__ int PartialSources(const int32_t* dest_pos, int num_ranks, int32_t* ranks, int32_t* positions, int lane) {
-  int count = 0;
-  for (int d0 = 0; d0 < num_ranks; d0 += 32) {
-    const int d = d0 + lane;
-    const int32_t pos = d < num_ranks ? dest_pos[d] : -1;
-    const unsigned held = __ballot_sync(0xffffffffu, pos >= 0);
-    if (pos >= 0) {
-      const int at = count + __popc(held & ((1u << lane) - 1));
-      ranks[at] = d;
-      positions[at] = pos;
-    }
-    count += __popc(held);
-  }
-  __syncwarp();
-  return count;
-}
-
 // kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
 template <typename Y, typename P, bool kStageOwn>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
   constexpr int kWide = CombineWide<Y, P>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
-  __shared__ int32_t partial_ranks[kWarps][kMaxRanks];  // the ranks that hold a token's rows, ascending
-  __shared__ int32_t partial_positions[kWarps][kMaxRanks];
   const Call call = CurrentCall(g, kOpCombine, p.origin);
   const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
@@ -166,7 +145,6 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     const int64_t t = up.unit;
     const int32_t* dest_pos = p.token_dest_pos + t * R;
     const int32_t own_pos = dest_pos[me];
-    const int partials = PartialSources(dest_pos, R, partial_ranks[at.warp], partial_positions[at.warp], at.lane);
     const int count = own_pos < 0 || kStageOwn
                           ? 0
                           : SortedRows(p.recv_rows + (me * T + own_pos) * K, K, p.weights, rows, weights, at.lane);
@@ -174,9 +152,9 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
     PieceElements(H, p.width, p.recv_pieces, up.piece, &begin, &end);
     for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
       float total[kWide] = {};
-      for (int j = 0; j < partials; ++j) {
-        const int d = partial_ranks[at.warp][j];
-        const int32_t pos = partial_positions[at.warp][j];
+      for (int d = 0; d < R; ++d) {
+        const int32_t pos = dest_pos[d];
+        if (pos < 0) continue;
         float part[kWide];
         if (d == me && !kStageOwn) {
           PartialSum(y, H, rows, weights, count, e, p.width, part);

@@ -88,16 +88,16 @@ __device__ void PoisonOutputs(const DispatchParams& p, int num_ranks) {
 // The receiver's tables, in shared memory: for source r and local expert l, the layout
 // position of r's first slot of l (start[r * L + l]: a row in the ragged layout, an index within expert l's
 // rows in the expert layout), each segment's first row (ragged), each local expert's slots from all ranks, and
-// how many of them the capacity keeps (the first ones, in source order).
+// where the slots the capacity keeps end (the first ones, in source order): a row (ragged), an index (expert).
 struct Tables {
   int32_t* start;
   int32_t* seg_start;
   int32_t* total;
-  int32_t* kept;
+  int32_t* keep_end;
   int32_t* recv_count;  // [R] tokens received from each rank
   int32_t* data_end;    // rows up to the end of the last segment (ragged), N (expert)
 };
-constexpr int64_t kTableArraysOfL = 3;  // seg_start, total, kept (and start, R of them)
+constexpr int64_t kTableArraysOfL = 3;  // seg_start, total, keep_end (and start, R of them)
 
 // total rounded up to a multiple of alignment (which the API keeps at most the capacity, an int32).
 __device__ inline int32_t Padded(int32_t total, const Divisor& alignment) {
@@ -184,7 +184,9 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     mine += Padded(running, p.align);
   }
   if (p.expert_layout) {
-    for (int32_t l = first; l < last; ++l) t.kept[l] = static_cast<int32_t>(std::min<int64_t>(t.total[l], p.capacity));
+    for (int32_t l = first; l < last; ++l) {
+      t.keep_end[l] = static_cast<int32_t>(std::min<int64_t>(t.total[l], p.capacity));
+    }
     if (threadIdx.x == 0) *t.data_end = static_cast<int32_t>(p.num_rows);
     __syncthreads();
     return;
@@ -202,7 +204,7 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     t.seg_start[l] = before;
     for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
     const int32_t kept = std::min(t.total[l], level);
-    t.kept[l] = static_cast<int32_t>(std::clamp<int64_t>(p.capacity - before, 0, kept));
+    t.keep_end[l] = before + static_cast<int32_t>(std::clamp<int64_t>(p.capacity - before, 0, kept));
     before += Padded(kept, p.align);
     if (l == L - 1) *t.data_end = static_cast<int32_t>(std::min<int64_t>(before, p.capacity));
   }
@@ -215,7 +217,7 @@ __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const i
   const int64_t C = p.capacity;
   int32_t dropped = 0;
   for (int64_t l = lane; l < p.local_experts; l += 32) {
-    const int32_t total = t.total[l], kept = t.kept[l];
+    const int32_t total = t.total[l], kept = t.keep_end[l] - (p.expert_layout ? 0 : t.seg_start[l]);
     int32_t size = kept;
     if (!p.expert_layout) {  // the segment, up to the capacity ("balanced" segments always fit)
       const int64_t seg = t.seg_start[l];
@@ -250,11 +252,11 @@ __device__ void Expand(const DispatchParams& p, const Tables& t, int source, int
     int32_t row = -1;
     if (k < K) {
       const StagedSlot s = slot(k);
-      if (s.local_expert >= 0 && s.rank < t.kept[s.local_expert] - (t.start[source * L + s.local_expert] -
-                                                                     (p.expert_layout ? 0 : t.seg_start[s.local_expert]))) {
-        // Kept: the slot's place among its expert's slots is below what the capacity keeps.
+      if (s.local_expert >= 0) {
         const int64_t at = static_cast<int64_t>(t.start[source * L + s.local_expert]) + s.rank;
-        row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
+        if (at < t.keep_end[s.local_expert]) {
+          row = static_cast<int32_t>(p.expert_layout ? s.local_expert * p.capacity + at : at);
+        }
       }
       if (piece == 0 && i >= 0) {
         const int64_t id = (source * T + i) * K + k;
@@ -285,7 +287,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
   if (n < p.num_rows) {
     if (p.expert_layout) {
       const int32_t capacity = static_cast<int32_t>(p.capacity);
-      padding = empty = n % capacity >= t.kept[n / capacity];
+      padding = empty = n % capacity >= t.keep_end[n / capacity];
     } else if (n >= *t.data_end) {
       empty = true;  // past the data: not padding
     } else {
@@ -294,7 +296,7 @@ __device__ void FillRows(const DispatchParams& p, const Tables& t, int32_t n0, i
         const int32_t mid = (lo + hi) / 2;
         if (t.seg_start[mid] <= n) lo = mid; else hi = mid;
       }
-      padding = empty = n - t.seg_start[lo] >= t.kept[lo];
+      padding = empty = n >= t.keep_end[lo];
     }
   }
   if (empty && piece == 0) {

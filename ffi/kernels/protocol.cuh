@@ -90,11 +90,10 @@ __device__ inline bool FirstOfInstance(const GroupView& g, const Call& call) {
 }
 
 // By one thread once a call's launch ends it (a finish's or a whole call's last block, or a start that leaves its
-// call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit.
+// call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit. An
+// atomic whose result nobody reads (a reduction): the thread does not wait for it at the end of the kernel.
 __device__ inline void MarkFirstCallMade(const GroupView& g, const Call& call) {
-  uint32_t* done = &g.signals->first_done[call.instance / 32];
-  const uint32_t bit = 1u << (call.instance % 32);
-  if ((*reinterpret_cast<volatile uint32_t*>(done) & bit) == 0) atomicOr(done, bit);
+  atomicOr(&g.signals->first_done[call.instance / 32], 1u << (call.instance % 32));
 }
 
 // By one thread: a start leaves its call open for its finish (CallMayRun).
