@@ -119,7 +119,7 @@ CASES = [
     # routings of at most 1024 slots with K a power of two: the one-block routing kernel
     ("messy", 100, 256, 8, 64, "ragged", None, 1),
     ("messy", 64, 512, 16, 256, "ragged", None, 2),
-    ("messy", 45, 512, 2, 8, "expert", 30, 1),
+    ("messy", 45, 512, 2, 8, "expert", 8, 1),  # and a capacity that drops (18 of about 80 slots)
 ]
 
 
