@@ -101,6 +101,7 @@ def _exchanges_of_a_dispatch(mesh) -> int:
     return jax.jit(f).lower(x, idx, w).as_text().count(ALL_TO_ALL[0])
 
 
+@pytest.mark.slow  # about 13 s on 2 cores; gradients under checkpoint are in the default tier (tests/test_grad.py)
 def test_xla_recomputes_only_what_the_policy_leaves_unsaved():
     """On xla a dispatch is a routing (count and metadata exchanges) and a transfer (one all-to-all). With the
     handle saved and transfer="separate", the recompute is the transfer alone; with the rows saved too, nothing.

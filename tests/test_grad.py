@@ -425,6 +425,7 @@ def test_moe_layers_in_scan():
         np.testing.assert_allclose(got, want, err_msg=name, **TOL)
 
 
+@pytest.mark.slow  # dispatch and combine in lax.scan are in the default tier: test_moe_layers_in_scan
 def test_handle_and_weights_carried_through_scan():
     """The handle and d.weights ride in a scan carry through two expert layers; combine in and after the scan."""
     num_ranks, layers, layout = 4, 2, "expert"

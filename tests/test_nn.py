@@ -188,10 +188,10 @@ def _on_auto_mesh(shape: tuple[int, ...], jit: bool) -> dict:
 @pytest.mark.parametrize(
     "shape, placement, jit",
     [
-        ((8,), "unplaced", True),
+        pytest.param((8,), "unplaced", True, marks=pytest.mark.slow),  # about 13 s each on 2 cores
         ((8,), "reshard", True),
         ((8,), "device_put", True),
-        ((2, 4), "reshard", True),
+        pytest.param((2, 4), "reshard", True, marks=pytest.mark.slow),
         pytest.param((8,), "unplaced", False, marks=pytest.mark.slow),  # eager: about 30 s each
         pytest.param((8,), "device_put", False, marks=pytest.mark.slow),
     ],
@@ -231,6 +231,7 @@ def test_mixed_axis_types_are_a_clear_error():
         MoE(HIDDEN, INTERMEDIATE, num_experts=EXPERTS, topk=TOPK, mesh=mesh, data_axes=("data",), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow  # a warning's text, in a layer of float64 parameters
 def test_float64_warns_of_float32_accuracy():
     """float64 x runs and gives a float64 output, but with float32 accuracy, and says so; float32 x does not warn."""
     model = make_moe((8,))
@@ -287,6 +288,7 @@ def _loss_and_grads(model, x):
         return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(model, x)
 
 
+@pytest.mark.slow  # the split ops' bits are the whole ops' in the default tier too: tests/test_split_ops.py
 def test_overlap_gives_the_same_bits():
     """overlap=True computes the shared expert between the split ops' halves: the same output and gradients."""
     x = jax.random.normal(jax.random.key(1), (16, HIDDEN), jnp.float32)
@@ -298,6 +300,7 @@ def test_overlap_gives_the_same_bits():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # FP8 rows' formula is in the default tier: tests/test_wire_fp8.py
 def test_fp8_wire_dtype_trains_close_to_full_precision():
     """wire_dtype=float8_e4m3fn: the output is within FP8 rounding of the layer without it (H a multiple of 128)."""
 

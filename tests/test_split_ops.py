@@ -80,6 +80,7 @@ def test_the_pending_values_are_pytrees():
     assert_bits_equal(d, want)
 
 
+@pytest.mark.slow  # FP8 rows of the whole dispatch are in the default tier: tests/test_wire_fp8.py
 def test_fp8_split_ops_equal_fp8_dispatch_gradients_included():
     """wire_dtype=float8_e4m3fn through the split ops: the same dequantized rows and straight-through gradients."""
     rng = np.random.default_rng(2)

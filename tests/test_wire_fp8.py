@@ -110,6 +110,7 @@ def test_the_gradient_passes_straight_through():
         assert np.abs(want).sum() > 0
 
 
+@pytest.mark.slow  # an accuracy figure; the bits of the formula are checked above in the default tier
 def test_quantization_error_of_activation_like_rows():
     """Relative RMS error of one FP8 round trip over normal and heavy-tailed rows stays within e4m3's 3
     mantissa bits (the figures of docs/guide.md)."""
