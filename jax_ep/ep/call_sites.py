@@ -19,7 +19,9 @@ import jax
 
 _JAX_EP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this file is jax_ep/ep/call_sites.py
 _LIBRARIES = (os.path.dirname(os.path.abspath(jax.__file__)) + os.sep, _JAX_EP + os.sep)
-_TRACE_ENTRIES = frozenset({"trace_to_jaxpr", "trace_to_jaxpr_dynamic"})  # where JAX calls the function it traces
+# Where JAX calls the function it traces: trace_to_jaxpr, trace_to_jaxpr_dynamic (jax 0.10-0.11),
+# trace_to_jaxpr_nocache (0.12).
+_TRACE_ENTRY = "trace_to_jaxpr"
 _described: dict[int, str] = {}
 
 
@@ -35,7 +37,7 @@ def site(op: str) -> int:
         code = frame.f_code
         if not _in_library(code.co_filename):
             frames.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
-        elif code.co_name in _TRACE_ENTRIES:
+        elif code.co_name.startswith(_TRACE_ENTRY):
             break
         frame = frame.f_back
     number = derive(op, *frames)

@@ -199,7 +199,7 @@ def _pipelined_kernel(m, k, n, grid_m, grid_n, blocks: Blocks, transpose_rhs: bo
                         lambda _, lhs_smem, rhs_smem: plgpu.wgmma(
                             acc_ref,
                             lhs_smem,
-                            plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem,
+                            rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem,
                         ),
                         grid=(k // bk,),
                         in_specs=[
@@ -317,7 +317,7 @@ def _specialized_kernel(m, k, n, grid_m, grid_n, blocks: Blocks, transpose_rhs: 
 
                 def mma(_, lhs_smem, rhs_smem, acc_ref):
                     if transpose_rhs:
-                        operand = plgpu.transpose_ref(rhs_smem.at[wg_cols, :], (1, 0))
+                        operand = rhs_smem.at[wg_cols, :].transpose((1, 0))
                     else:
                         operand = rhs_smem.at[:, wg_cols]
 
@@ -437,7 +437,7 @@ def _transposed_pipelined_kernel(g, r, m, n, blocks: Blocks, dtype):
                     _group_rows_only(
                         block_idx[0], num_blocks_gmem[g_i], starts_gmem[g_i], ends_gmem[g_i], bk, (lhs_smem, rhs_smem)
                     )
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
                     if steps == 1:
                         plgpu.wgmma_wait(0)
 
@@ -529,7 +529,7 @@ def _transposed_specialized_kernel(g, r, m, n, blocks: Blocks, dtype):
                     _group_rows_only(
                         block_idx[0], num_blocks, starts_gmem[g_i], ends_gmem[g_i], bk, (lhs_smem, rhs_half)
                     )
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_half)
+                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_half)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
