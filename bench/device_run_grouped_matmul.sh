@@ -4,7 +4,10 @@
 # and without the sweep they add up to 560 s (at 71d5c64 the benchmark took 130 s and the profile 45 s).
 # With LAYER=1 the benchmark and profile give way to the layer beside its baselines (performance.md's layer tables;
 # at 3f966bc 185 s on one H200) and its profile at E=256 and E=32 without a shared expert.
-#   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [TESTS=0] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
+# With SKEW=1 (issue 50) only two steps run, both under skewed routing: the benchmark at 32 and 256 groups with its
+# skewed group sizes beside tokamax's forward (<= 230 s), then the layer beside its baselines at busiest-expert loads
+# of 1, 2, 4 and 10 times the mean (<= 300 s); WHEELS as for LAYER=1.
+#   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [SKEW=1] [TESTS=0] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
 #     bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
 # run from the source tree (they need no extension). If the build fails the profile runs with backend "xla" and
@@ -31,6 +34,23 @@ step() {  # NAME SECONDS COMMAND...
   echo "[${SECONDS} s] $name: exit $rc"
 }
 export PYTHONPATH=$repo
+if [ "${SKEW:-0}" = 1 ]; then
+  export PYTHONPATH=$repo:${WHEELS:-}
+  step grouped_matmul_skews 230 env JAX_EP_COMMAND="python -m bench.grouped_matmul OUT/grouped_matmul_skews.json \
+--shapes 32768,7168,2048,32 32768,7168,2048,256 --no-ragged-dot --iters 10" python3 -m bench.grouped_matmul \
+    "$OUT/grouped_matmul_skews.json" --shapes 32768,7168,2048,32 32768,7168,2048,256 --no-ragged-dot --iters 10
+  wait $build
+  if [ "$(cat "$OUT/build.rc")" = 0 ]; then
+    export PYTHONPATH=/tmp/jax_ep_site:$repo:${WHEELS:-}
+    LD_LIBRARY_PATH="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')/lib:${LD_LIBRARY_PATH:-}"
+    export LD_LIBRARY_PATH
+  fi
+  step moe_layer_skews 300 env JAX_EP_COMMAND="python -m bench.moe_layer_baselines OUT/moe_layer_skews.json \
+--skews 1 2 4 10 --iters 5" python3 -m bench.moe_layer_baselines "$OUT/moe_layer_skews.json" --skews 1 2 4 10 --iters 5
+  sed -n '/^ratio to the einsum of the same op by group sizes/,$p' "$OUT/grouped_matmul_skews.log"
+  sed -n '/^backend/,$p' "$OUT/moe_layer_skews.log"
+  exit 0
+fi
 [ "${TESTS:-1}" = 0 ] || step grouped_matmul_tests "${TEST_SECONDS:-200}" env JAX_EP_COMMAND="python -m bench.gpu_tests \
 OUT/grouped_matmul_tests.json tests/test_grouped_matmul.py tests/test_grouped_mlp.py tests/test_row_copies.py\
 ${TESTS_K:+ -k '$TESTS_K'}" python3 -m bench.gpu_tests "$OUT/grouped_matmul_tests.json" \

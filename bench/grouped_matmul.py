@@ -4,8 +4,12 @@ python -m bench.grouped_matmul OUT.json [--shapes M,K,N,G ...] [--iters 20]
 python -m bench.grouped_matmul OUT.json --sweep [--budget-s 120]   # tile sweep of the Mosaic kernels
 
 Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16, standard normal (w scaled by
-1/sqrt(K)). Group sizes: ``random``, the expert counts of M tokens routed uniformly at random to G experts
-(``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to group 0.
+1/sqrt(K)). Group sizes (:func:`group_sizes`): ``random``, the expert counts of M tokens routed uniformly at random
+to G experts (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to
+group 0; ``--skews`` adds more (default :data:`SKEWS`: one group at about twice the mean, power laws whose largest
+group is 2, 4 and 10 times the mean, Dirichlet(4)), each recorded with its largest group over the mean. On the
+sizes past ``random`` and ``equal`` only the user's ``fwd``, ``dx`` and ``dw`` run, and ``fwd_tokamax``,
+``tokamax.ragged_dot``'s forward, where tokamax imports (on every size).
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
 and ``dw`` are what the custom VJP computes (``jax_ep.gmm.grouped_matmul.plan_for`` says which path each op
@@ -96,20 +100,81 @@ def api_probe() -> dict:
 
 
 KINDS = ("random", "equal", "skewed")
+# Skewed sizes (issue 50), timed for fwd, dx and dw beside tokamax's forward: one group at about twice the mean
+# ("outsized"), a power law whose largest group is R times the mean ("max:R"), and Dirichlet(alpha) expert
+# probabilities ("dirichlet:ALPHA").
+SKEWS = ("outsized", "max:2", "max:4", "max:10", "dirichlet:4")
 
 
 def group_sizes(kind: str, m: int, g: int, seed: int = 0) -> np.ndarray:
-    """``equal``: M/G rows each; ``random``: M rows routed uniformly at random; ``skewed``: ``random`` with a
-    quarter of all rows moved to group 0 (more than the padded path's rows, so the kernels run)."""
-    if kind == "equal":
-        return np.full(g, m // g, np.int32)
+    """``g`` group sizes summing to ``m``:
+
+    * ``equal``: M/G rows each; ``random``: M rows routed uniformly at random;
+    * ``skewed``: ``random`` with a quarter of all rows moved to group 0 (more than the padded path's rows, so the
+      kernels run);
+    * ``outsized``: ``equal`` with group 0 holding ``2 * M/G + 6`` rows, taken evenly from the others (at M=32768,
+      G=256: one group of 262 rows, the rest 127 or 128);
+    * ``max:R``: group ``i`` gets a share proportional to ``(i + 1) ** -a``, ``a`` chosen so that the largest
+      group is ``R`` times the mean (to within the rounding to whole rows), the others in decreasing order;
+    * ``dirichlet:ALPHA``: a multinomial draw of M rows over probabilities drawn from Dirichlet(ALPHA, ..., ALPHA).
+    """
     rng = np.random.default_rng(seed)
-    sizes = np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
-    if kind == "skewed":
-        moved = np.minimum(sizes[1:], -(-(m // 4) // (g - 1))) if g > 1 else sizes[1:]
-        sizes[1:] -= moved
-        sizes[0] += moved.sum()
-    return sizes
+    name, _, value = kind.partition(":")
+    if name == "equal":
+        return _whole_rows(np.full(g, m / g), m)
+    if name in ("random", "skewed"):
+        sizes = np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)
+        if name == "skewed":
+            moved = np.minimum(sizes[1:], -(-(m // 4) // (g - 1))) if g > 1 else sizes[1:]
+            sizes[1:] -= moved
+            sizes[0] += moved.sum()
+        return sizes
+    if name == "outsized":
+        big = min(m, 2 * (m // g) + 6)
+        return np.concatenate([[big], _whole_rows(np.full(g - 1, (m - big) / max(g - 1, 1)), m - big)]).astype(np.int32)
+    if name == "max":
+        return _whole_rows(m * _power_law(g, float(value)), m)
+    if name == "dirichlet":
+        return rng.multinomial(m, rng.dirichlet(np.full(g, float(value)))).astype(np.int32)
+    raise ValueError(f"unknown group sizes {kind!r}: one of {KINDS + SKEWS}, or max:R, dirichlet:ALPHA")
+
+
+def _whole_rows(shares: np.ndarray, m: int) -> np.ndarray:
+    """``shares`` (summing to ``m``) as whole rows summing to ``m``: floors, and the rows left over one each to the
+    largest remainders."""
+    sizes = np.floor(shares).astype(np.int64)
+    left = m - int(sizes.sum())
+    sizes[np.argsort(sizes - shares, kind="stable")[:left]] += 1
+    return sizes.astype(np.int32)
+
+
+def _power_law(g: int, ratio: float) -> np.ndarray:
+    """Shares ``p_i`` proportional to ``(i + 1) ** -a`` with ``max(p) / mean(p) = ratio`` (bisection on ``a``; the
+    largest ratio there is, ``g``, at ``a`` large)."""
+    if not 1 <= ratio <= g:
+        raise ValueError(f"max:R needs 1 <= R <= G={g}, got {ratio}")
+    rank = np.arange(1, g + 1, dtype=np.float64)
+
+    def shares(a):
+        p = rank**-a
+        return p / p.sum()
+
+    lo, hi = 0.0, 64.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if shares(mid)[0] * g < ratio else (lo, mid)
+    return shares(hi)
+
+
+def sizes_summary(sizes: np.ndarray) -> dict:
+    """The largest group over the mean, and the empty groups."""
+    mean = sizes.sum() / sizes.size
+    return {
+        "max": int(sizes.max()),
+        "mean": float(mean),
+        "max_over_mean": float(sizes.max() / mean),
+        "empty": int((sizes == 0).sum()),
+    }
 
 
 def inputs(m: int, k: int, n: int, g: int, seed: int = 0):
@@ -275,7 +340,16 @@ def useful_fraction(m: int, g: int, sizes: np.ndarray) -> dict:
     return out
 
 
-def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
+def tokamax_ragged_dot():
+    """``tokamax.ragged_dot`` and "", or None and why it is missing."""
+    try:
+        import tokamax
+    except Exception as error:  # ImportError, or one of its own imports failing
+        return None, f"tokamax does not import: {type(error).__name__}: {error}"
+    return tokamax.ragged_dot, ""
+
+
+def bench_shape(m, k, n, g, iters: int, ragged: bool, skews: tuple[str, ...] = SKEWS) -> dict:
     tflop = 2 * m * k * n / 1e12
     x, w, dy = inputs(m, k, n, g)
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
@@ -311,10 +385,17 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
         if rows16 != rows and all(group_sizes(kind, m, g).max() <= rows16 for kind in ("random", "equal")):
             fns.update(padded_fns(rows16, "_step16"))
             row["padded_rows_step16"] = rows16
-    for kind in KINDS:
-        s = jnp.asarray(group_sizes(kind, m, g))
+    tokamax_dot, tokamax_missing = tokamax_ragged_dot()
+    if tokamax_dot is not None:
+        fns["fwd_tokamax"] = jax.jit(lambda x, w, s: tokamax_dot(x, w, s))
+    row["tokamax"] = tokamax_missing or "timed: fwd_tokamax"
+    row["sizes"] = {}
+    for kind in KINDS + tuple(skews):
+        sizes = group_sizes(kind, m, g)
+        row["sizes"][kind] = sizes_summary(sizes)
+        s = jnp.asarray(sizes)
         for op, fn in fns.items():
-            if kind == "skewed" and op not in ("fwd", "dx", "dw"):
+            if kind not in ("random", "equal") and op not in ("fwd", "dx", "dw", "fwd_tokamax"):
                 continue  # the kernels alone are timed on the other sizes, and the padded path needs them to fit
             args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op.startswith("dw") else (dy, w, s))
             try:
@@ -346,11 +427,17 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool) -> dict:
             continue
         op = "dx" if "_dx" in name else ("dw" if "_dw" in name else "fwd")  # gmm_<op>[_<kernel>]_<kind>
         row["ratio_vs_einsum"][name] = times[f"einsum_{op}"] / t
+    # The forward pass against tokamax's on the same sizes: above 1, jax_ep is the faster.
+    row["fwd_over_tokamax"] = {
+        kind: times[f"gmm_fwd_tokamax_{kind}"] / times[f"gmm_fwd_{kind}"]
+        for kind in row["sizes"]
+        if f"gmm_fwd_tokamax_{kind}" in times
+    }
     return row
 
 
 OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_specialized", "fwd_padded")
-OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw")
+OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw", "fwd_tokamax")
 OPS += (
     "dw_kernel",
     "dw_pipelined",
@@ -460,6 +547,21 @@ def best_of_sweep(results):
     return best
 
 
+def print_skews(rows: list[dict]) -> None:
+    """The user's ops and tokamax's forward by group sizes: ratio to the einsum, and jax_ep's forward against
+    tokamax's."""
+    print("\nratio to the einsum of the same op by group sizes; fwd/tokamax above 1: jax_ep's forward is the faster")
+    head = f"{'M x K x N, G':24} {'sizes':12} {'max/mean':>8}"
+    print(f"{head} {'fwd':>6} {'dx':>6} {'dw':>6} {'tokamax':>7} {'fwd/tokamax':>11}")
+    for r in rows:
+        name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
+        for kind, summary in r["sizes"].items():
+            ratios = [r["ratio_vs_einsum"].get(f"gmm_{op}_{kind}") for op in ("fwd", "dx", "dw", "fwd_tokamax")]
+            ratios.append(r["fwd_over_tokamax"].get(kind))
+            cells = " ".join(f"{v:6.2f}" if v is not None else f"{'-':>6}" for v in ratios)
+            print(f"{name:24} {kind:12} {summary['max_over_mean']:8.2f} {cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
@@ -469,7 +571,12 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=120.0)
     parser.add_argument("--sweep-ops", default="fwd,dx,dw", help="the ops the sweep tiles, a comma list")
     parser.add_argument("--no-ragged-dot", action="store_true", help="skip jax.lax.ragged_dot (slow)")
+    parser.add_argument(
+        "--skews", nargs="*", default=list(SKEWS), help="skewed group sizes timed for fwd, dx, dw and tokamax's fwd"
+    )
     args = parser.parse_args()
+    for kind in args.skews:
+        group_sizes(kind, 64, 8)  # a bad name fails here, before any timing
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     payload = {**provenance(), "api": api_probe(), "hopper": gm.hopper_available()}
     log(f"{payload['device']} jax {payload['jax']}; hopper: {payload['hopper']}")
@@ -490,7 +597,7 @@ def main() -> None:
         return
     rows = []
     for shape in shapes:
-        rows.append(bench_shape(*shape, iters=args.iters, ragged=not args.no_ragged_dot))
+        rows.append(bench_shape(*shape, iters=args.iters, ragged=not args.no_ragged_dot, skews=tuple(args.skews)))
         payload["results"] = rows
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print(f"\nwrote {args.out}\nTFLOP/s (ratio to the einsum of the same op); group sizes random, equal, skewed:")
@@ -510,6 +617,7 @@ def main() -> None:
             keys = [f"gmm_{op}_{kind}" for kind in KINDS]
             cells = [f"{tf[key]:7.1f} ({ratio[key]:4.2f})" if key in tf else " " * 15 for key in keys]
             print(f"{name:24} {op:12} {tf[f'einsum_{base}']:7.1f} {' '.join(cells)} {rd_text}")
+    print_skews(rows)
     _ = jax_ep  # the package under test
 
 

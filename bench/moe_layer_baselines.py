@@ -1,6 +1,6 @@
 """The MoE layer's training step against its baselines, in one process on one GPU.
 
-python -m bench.moe_layer_baselines OUT.json [--experts 256 32] [--tokens 4096 --hidden 7168
+python -m bench.moe_layer_baselines OUT.json [--experts 256 32] [--skews 1 2 4 10] [--tokens 4096 --hidden 7168
     --intermediate 2048 --topk 8] [--remat]
 
 Each row times one jitted step, the forward and backward pass w.r.t. x and every weight, in bfloat16 with
@@ -15,12 +15,18 @@ gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared 
   reason where tokamax does not import (``pip install ".[bench]"``);
 * ``sort_jax_ep``: the same recipe with ``jax_ep.grouped_matmul``.
 
+Each ``--skews`` value R is a routing whose busiest expert gets about R times the mean load (1: the tokens as drawn,
+about uniform): the tokens are shifted along one fixed random direction, which biases each expert's router logit,
+by the amount that bisection finds for R (:func:`skewed_tokens`); each row records the load it got (largest over
+mean, empty experts). Every row but ``dense`` is timed at every skew, with the same compiled step.
+
 With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
 runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``) and
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
 (``jax_ep.gmm.padded.LADDER_SIZES = 1``). Time per step: the median of 5 batches of back-to-back steps after 2
 warm-ups, each batch ended by ``block_until_ready`` (bench/grouped_matmul.py's ``time_call``). The ratios are taken
-in this run: each row against ``dense``, and ``sort_tokamax`` against ``moe``. ``--rows`` times only the rows
+in this run: each row against ``dense``, ``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first
+skew (``moe_over_first_skew``). ``--rows`` times only the rows
 named (``dense`` always), and OUT.json records the run's ``XLA_FLAGS``. TFLOP/s counts the experts' matmul
 FLOPs of a step (3 matmuls forward, 6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
 """
@@ -44,7 +50,7 @@ import jax_ep  # noqa: E402
 import jax_ep.gmm.mlp  # noqa: E402
 import jax_ep.gmm.padded  # noqa: E402
 import jax_ep.nn  # noqa: E402
-from bench.grouped_matmul import time_call  # noqa: E402
+from bench.grouped_matmul import time_call, tokamax_ragged_dot  # noqa: E402
 from bench.record import provenance, write  # noqa: E402
 
 ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
@@ -63,6 +69,9 @@ def parse_args():
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument(
+        "--skews", type=float, nargs="+", default=[1.0, 2.0, 4.0, 10.0], help="busiest expert's load over the mean"
+    )
     parser.add_argument("--iters", type=int, default=10, help="steps per timed batch")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to time (dense always)")
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
@@ -70,15 +79,6 @@ def parse_args():
         "--ablate", action="store_true", help="also time the layer's expert MLP per op, and with one padded size"
     )
     return parser.parse_args()
-
-
-def tokamax_ragged_dot():
-    """``tokamax.ragged_dot`` and "", or None and why it is missing."""
-    try:
-        import tokamax
-    except Exception as error:  # ImportError, or one of its own imports failing
-        return None, f"tokamax does not import: {type(error).__name__}: {error}"
-    return tokamax.ragged_dot, ""
 
 
 def swiglu(x, w_gate, w_in, w_out, matmul):
@@ -104,6 +104,32 @@ def sorted_recipe(ragged_dot, topk: int):
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(y.dtype))
 
     return layer
+
+
+def load(x, w_router, topk: int) -> dict:
+    """The router's expert loads on ``x``: the busiest expert over the mean, and the experts that get no slot."""
+    sizes = np.bincount(np.asarray(router(x, w_router, topk)[1]).reshape(-1), minlength=w_router.shape[1])
+    return {"max_over_mean": float(sizes.max() * sizes.size / sizes.sum()), "empty": int((sizes == 0).sum())}
+
+
+def skewed_tokens(x, w_router, topk: int, target: float, steps: int = 24):
+    """``x`` shifted by ``s`` times a fixed random direction (standard normal, like a token), ``s`` found by bisection
+    so that the router's busiest expert gets about ``target`` times the mean load; ``target`` 1 keeps ``x``. Returns
+    the tokens and ``{"shift": s, **load(...)}``."""
+    if target <= 1:
+        return x, {"shift": 0.0, **load(x, w_router, topk)}
+    direction = jax.random.normal(jax.random.key(3), (1, x.shape[1]))
+
+    def shifted(shift):
+        return (x.astype(jnp.float32) + shift * direction).astype(x.dtype)
+
+    lo, hi = 0.0, 1.0
+    while load(shifted(hi), w_router, topk)["max_over_mean"] < target and hi < 1e3:
+        lo, hi = hi, 2 * hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if load(shifted(mid), w_router, topk)["max_over_mean"] < target else (lo, mid)
+    return shifted(hi), {"shift": hi, **load(shifted(hi), w_router, topk)}
 
 
 def dense_floor(x, w_gate, w_in, w_out):
@@ -176,19 +202,22 @@ def main() -> None:
     for experts in args.experts:
         arrays = weights(jax.random.key(2), experts, h, f)
         w_router, w_gate, w_in, w_out = arrays
-        times = {}
+        skewed = [skewed_tokens(x, w_router, k, target) for target in args.skews]
+        times = [{} for _ in skewed]  # per skew: row name -> seconds
         if backend == "cuda":
             jax_ep.initialize(mesh, "ep", num_tokens=t, hidden=h, topk=k, num_experts=experts, dtype=jnp.bfloat16)
         try:
             for remat in remats:
                 step, params = moe_step(mesh, args, experts, remat, arrays)
-                times["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, x, c), args.iters)
+                for (xs, _), at in zip(skewed, times, strict=True):
+                    at["moe" if remat is None else f"moe_remat_{remat}"] = time_call(step, (params, xs, c), args.iters)
             for name, module, attribute, value in ablations:
                 kept = getattr(module, attribute)
                 setattr(module, attribute, value)
                 try:
                     step, params = moe_step(mesh, args, experts, None, arrays)
-                    times[name] = time_call(step, (params, x, c), args.iters)
+                    for (xs, _), at in zip(skewed, times, strict=True):
+                        at[name] = time_call(step, (params, xs, c), args.iters)
                 finally:
                     setattr(module, attribute, kept)
         finally:
@@ -197,27 +226,29 @@ def main() -> None:
         per_expert = t * k // experts
         xd = jax.random.normal(key, (experts, per_expert, h)).astype(jnp.bfloat16)
         cd = jax.random.normal(jax.random.key(1), (experts, per_expert, h))
-        times["dense"] = time_call(training_step(dense_floor), (xd, w_gate, w_in, w_out, cd), args.iters)
-        recipe_args = (x, w_router, w_gate, w_in, w_out, c)
+        dense = time_call(training_step(dense_floor), (xd, w_gate, w_in, w_out, cd), args.iters)
+        recipes = {}
         if "sort_jax_ep" in args.rows:
-            times["sort_jax_ep"] = time_call(
-                training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k)),
-                recipe_args,
-                args.iters,
-            )
+            recipes["sort_jax_ep"] = training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k))
         if tokamax_dot is not None and "sort_tokamax" in args.rows:
-            times["sort_tokamax"] = time_call(training_step(sorted_recipe(tokamax_dot, k)), recipe_args, args.iters)
-        sizes = jnp.bincount(router(x, w_router, k)[1].reshape(-1), length=experts)
-        row = {
-            "experts": experts,
-            "largest_group": int(jnp.max(sizes)),  # of the T*K routing slots; the mean is T*K/E
-            "ms": {name: 1e3 * s for name, s in times.items()},
-            "expert_tflops": {name: flops / s / 1e12 for name, s in times.items()},
-            "over_dense": {name: s / times["dense"] for name, s in times.items()},
-        }
-        if "sort_tokamax" in times and "moe" in times:
-            row["tokamax_over_moe"] = times["sort_tokamax"] / times["moe"]
-        rows.append(row)
+            recipes["sort_tokamax"] = training_step(sorted_recipe(tokamax_dot, k))
+        for (xs, routing), at, target in zip(skewed, times, args.skews, strict=True):
+            at["dense"] = dense
+            for name, step in recipes.items():
+                at[name] = time_call(step, (xs, w_router, w_gate, w_in, w_out, c), args.iters)
+            row = {
+                "experts": experts,
+                "skew": target,
+                "routing": routing,  # shift, max_over_mean, empty
+                "ms": {name: 1e3 * s for name, s in at.items()},
+                "expert_tflops": {name: flops / s / 1e12 for name, s in at.items()},
+                "over_dense": {name: s / dense for name, s in at.items()},
+            }
+            if "sort_tokamax" in at and "moe" in at:
+                row["tokamax_over_moe"] = at["sort_tokamax"] / at["moe"]
+            if "moe" in at and "moe" in times[0]:
+                row["moe_over_first_skew"] = at["moe"] / times[0]["moe"]
+            rows.append(row)
     payload = {
         **provenance("python -m bench.moe_layer_baselines " + " ".join(sys.argv[1:])),
         "backend": backend,
@@ -228,14 +259,19 @@ def main() -> None:
     }
     write(args.out, payload)
     print(f"\nbackend {backend}, T={t} H={h} F={f} K={k} bf16; tokamax: {payload['tokamax']}")
-    print(f"{'E':>4} {'row':<18} {'ms':>8} {'TFLOP/s':>8} {'/dense':>7}")
+    print(f"{'E':>4} {'skew':>5} {'row':<18} {'ms':>8} {'TFLOP/s':>8} {'/dense':>7}")
     for row in rows:
-        print(f"{row['experts']:>4} largest group {row['largest_group']} rows (mean {t * k // row['experts']})")
+        e, routing = row["experts"], row["routing"]
+        print(
+            f"{e:>4} {row['skew']:5.1f} routing: busiest expert {routing['max_over_mean']:.2f}x the mean, "
+            f"{routing['empty']} experts empty (shift {routing['shift']:.3g})"
+        )
         for name, ms in row["ms"].items():
             tf, over = row["expert_tflops"][name], row["over_dense"][name]
-            print(f"{row['experts']:>4} {name:<18} {ms:8.2f} {tf:8.0f} {over:7.2f}")
-        if "tokamax_over_moe" in row:
-            print(f"{row['experts']:>4} sort_tokamax / moe = {row['tokamax_over_moe']:.2f}")
+            print(f"{e:>4} {row['skew']:5.1f} {name:<18} {ms:8.2f} {tf:8.0f} {over:7.2f}")
+        for key in ("tokamax_over_moe", "moe_over_first_skew"):
+            if key in row:
+                print(f"{e:>4} {row['skew']:5.1f} {key} = {row[key]:.2f}")
 
 
 if __name__ == "__main__":

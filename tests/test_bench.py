@@ -567,3 +567,73 @@ def test_grouped_matmul_bench_prints_every_op_it_times(groups):
     operands = {"fwd": (x, w, sizes), "dx": (dy, w, sizes), "dw": (x, dy, sizes)}
     for name, fn in fns.items():  # each traces (on CPU too: the kernels' branch is traced, not run)
         fn.trace(*operands[name.split("_")[0]])
+
+
+@pytest.mark.parametrize("groups", [32, 256])
+def test_grouped_matmul_bench_group_sizes_reach_their_skews(groups, capsys):
+    """Every kind of group sizes sums to M; max:R puts R times the mean in the largest group, outsized one group of
+    2 M/G + 6 rows; a bad name fails; the skew table prints a line per kind with its largest group over the mean."""
+    import numpy as np
+
+    from bench import grouped_matmul as bench
+
+    m = 32768
+    for kind in bench.KINDS + bench.SKEWS:
+        sizes = bench.group_sizes(kind, m, groups)
+        assert sizes.shape == (groups,) and sizes.dtype == np.int32 and sizes.min() >= 0, kind
+        assert sizes.sum() == m, kind
+        np.testing.assert_array_equal(sizes, bench.group_sizes(kind, m, groups), err_msg=kind)
+    for ratio in (2, 4, 10):
+        summary = bench.sizes_summary(bench.group_sizes(f"max:{ratio}", m, groups))
+        assert abs(summary["max"] - ratio * m / groups) <= 1, summary
+    outsized = bench.group_sizes("outsized", m, groups)
+    assert outsized[0] == 2 * m // groups + 6 and outsized[1:].max() <= m // groups
+    assert bench.sizes_summary(bench.group_sizes("dirichlet:4", m, groups))["max_over_mean"] > 1.5
+    with pytest.raises(ValueError, match="unknown group sizes"):
+        bench.group_sizes("lopsided", m, groups)
+    with pytest.raises(ValueError, match="1 <= R <= G"):
+        bench.group_sizes(f"max:{groups + 1}", m, groups)
+
+    kinds = ("random", "max:4")
+    row = {"M": m, "K": 64, "N": 32, "G": groups, "fwd_over_tokamax": {"max:4": 1.25}}
+    row["sizes"] = {kind: bench.sizes_summary(bench.group_sizes(kind, m, groups)) for kind in kinds}
+    row["ratio_vs_einsum"] = {f"gmm_{op}_{kind}": 0.5 for op in ("fwd", "dx", "dw") for kind in kinds}
+    bench.print_skews([row])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 + len(kinds), lines
+    assert lines[-1].split()[-6:] == ["4.00", "0.50", "0.50", "0.50", "-", "1.25"], lines[-1]
+
+
+def test_moe_layer_bench_skews_the_router_to_its_target():
+    """bench/moe_layer_baselines.py: the shift that bisection finds gives the router's busiest expert at least the
+    target load and not much more; target 1 keeps the tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench import moe_layer_baselines as bench
+
+    x = jax.random.normal(jax.random.key(0), (512, 64)).astype(jnp.bfloat16)
+    w_router = jax.random.normal(jax.random.key(1), (64, 16)) / 8
+    same, routing = bench.skewed_tokens(x, w_router, 2, 1.0)
+    assert same is x and routing["shift"] == 0
+    for target in (2.0, 5.0):
+        shifted, routing = bench.skewed_tokens(x, w_router, 2, target)
+        assert shifted.shape == x.shape and shifted.dtype == x.dtype and routing["shift"] > 0
+        assert target <= routing["max_over_mean"] <= 1.1 * target, routing
+        assert routing == {"shift": routing["shift"], **bench.load(shifted, w_router, 2)}
+
+
+@pytest.mark.slow
+def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
+    """The layer bench end to end on CPU (backend xla, small shapes): a row per skew, each with the layer, the dense
+    floor and the recipe with jax_ep's grouped matmul, and the layer against its time at the first skew."""
+    out = tmp_path / "layer.json"
+    command = [sys.executable, "-m", "bench.moe_layer_baselines", str(out), "--experts", "8", "--skews", "1", "3"]
+    command += ["--tokens", "256", "--hidden", "128", "--intermediate", "64", "--topk", "2", "--iters", "1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["experts"], r["skew"]) for r in rows] == [(8, 1.0), (8, 3.0)]
+    for row in rows:
+        assert {"moe", "dense", "sort_jax_ep"} <= set(row["ms"]) and min(row["ms"].values()) > 0
+    assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
