@@ -121,11 +121,11 @@ def test_weights_of_any_float_dtype(dtype):
     assert np.any(want_dw)
 
 
-def _empty_step(num_tokens, topk, layout, split):
+def _empty_step(num_tokens, topk, layout, split, capacity=None):
     """A layer on ``T`` tokens with ``K`` slots each, under checkpoint, scan and grad: outputs and gradients."""
 
     def layer(x, w, idx):
-        kw = dict(num_experts=E, axis_name=AXIS, layout=layout)
+        kw = dict(num_experts=E, axis_name=AXIS, layout=layout, capacity=capacity)
         if split:
             d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
             out = jax_ep.combine_finish(jax_ep.combine_start(d.x * 2, d.handle, weights=d.weights))
@@ -173,3 +173,14 @@ def test_no_tokens_or_no_slots(num_tokens, topk, layout, split):
         np.testing.assert_array_equal(d.row_expert, -1)
     else:
         assert d.row_expert is None
+    # With rows (a capacity given), none holds a slot: ragged rows are past the data, expert rows hold no slot.
+    (_, d), _ = _empty_step(num_tokens, topk, layout, split, capacity=4)
+    h = d.handle
+    np.testing.assert_array_equal(
+        h.row_slot, np.full((R, 4 * (1 if layout == "ragged" else local)), -2 if layout == "ragged" else -1)
+    )
+    sent = (("token_dest_pos", (tokens, R)), ("slot_dest", (tokens, topk)), ("recv_rows", (R, tokens, topk)))
+    for field, shape in sent:
+        np.testing.assert_array_equal(getattr(h, field), np.full((R, *shape), -1), err_msg=field)
+    for field in ("send_counts", "recv_counts"):
+        np.testing.assert_array_equal(getattr(h, field), np.zeros((R, R)), err_msg=field)

@@ -26,6 +26,7 @@ from .types import (
     PendingCombine,
     PendingDispatch,
     RowType,
+    empty_dispatch,
 )
 
 TRANSFERS = ("fused", "separate")
@@ -171,7 +172,7 @@ def dispatch(
     x, topk_idx, topk_weights = _flat_inputs(config, x, topk_idx, topk_weights)
     with jax.named_scope("jax_ep.dispatch"):
         if config.empty:
-            return _finished(config, _empty_dispatch(config, x))
+            return _finished(config, empty_dispatch(config, x))
         if transfer == "fused":
             return _finished(config, _dispatch(config, x, topk_idx, topk_weights))
         routed = _finished(config, _route(config, topk_idx, topk_weights))
@@ -281,34 +282,6 @@ def _flat_inputs(config: Config, x, topk_idx, topk_weights) -> tuple[jax.Array, 
         fits = (idx <= np.array(_INT32.max, idx.dtype)) & (idx >= np.array(max(info.min, _INT32.min), idx.dtype))
         idx = jnp.where(fits, idx.astype(jnp.int32), _INT32.min)
     return x, idx.astype(jnp.int32), topk_weights.reshape(num_tokens, topk).astype(jnp.float32)
-
-
-def _empty_dispatch(config: Config, x: jax.Array) -> Dispatched:
-    """The dispatch of no slot (``T = 0`` or ``K = 0``), the same on every rank: nothing travels, no backend runs.
-    Its arrays vary over the mesh axes as ``x`` does."""
-
-    def full(value, shape, dtype=jnp.int32):
-        return jax.lax.full_like(x, value, dtype, shape)
-
-    num_ranks, num_tokens, topk = config.num_ranks, config.num_tokens, config.topk
-    handle = Handle(
-        token_dest_pos=full(-1, (num_tokens, num_ranks)),
-        send_counts=full(0, (num_ranks,)),
-        slot_dest=full(-1, (num_tokens, topk)),
-        recv_rows=full(-1, (num_ranks, num_tokens, topk)),
-        recv_counts=full(0, (num_ranks,)),
-        row_slot=full(-2 if config.layout == "ragged" else -1, (config.num_rows,)),
-        config=config,
-    )
-    return Dispatched(
-        x=full(0, config.layout_shape(x.shape[-1]), x.dtype),
-        weights=full(0, config.weights_shape, jnp.float32),
-        group_sizes=full(0, (config.local_experts,)),
-        num_dropped=full(0, ()),
-        num_invalid=full(0, ()),
-        expert_load=full(0, (config.local_experts,)),
-        handle=handle,
-    )
 
 
 def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, partial_dtype: Any = None) -> jax.Array:
@@ -507,7 +480,7 @@ def dispatch_finish(pending: PendingDispatch) -> Dispatched:
     config = pending.config
     with jax.named_scope("jax_ep.dispatch_finish"):
         if config.empty:
-            return _finished(config, _empty_dispatch(config, pending.started))
+            return _finished(config, empty_dispatch(config, pending.started))
         return _finished(config, _dispatch_finish(config, pending.x_type, pending.started))
 
 

@@ -1,4 +1,5 @@
-"""The static configuration of one dispatch, and the pytrees it returns."""
+"""The static configuration of one dispatch, the pytrees it returns, and the arrays they hold (:data:`ROUTED`,
+:data:`RECEIVED`): each named, typed and shaped once, for the backends and the dispatch of no slot."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 LAYOUTS = ("ragged", "expert")
 DROP_POLICIES = ("balanced", "expert")
@@ -70,6 +72,12 @@ class Config:
     def weights_shape(self) -> tuple[int, ...]:
         """Shape of ``Dispatched.weights``."""
         return self.layout_shape(0)[:-1]
+
+    def sizes(self, hidden: int, **more: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The sizes that :class:`Result` shapes name: ``T`` tokens, ``R`` ranks, ``K`` slots, ``L`` local experts,
+        ``N`` layout rows, ``layout`` the layout's shape (``[C]`` or ``[L, C]``), ``H`` the row width, and ``more``."""
+        sizes = dict(T=self.num_tokens, R=self.num_ranks, K=self.topk, L=self.local_experts, N=self.num_rows, H=hidden)
+        return {"1": (1,), "layout": self.weights_shape, **{k: (v,) for k, v in sizes.items()}, **more}
 
 
 @jax.tree_util.register_dataclass
@@ -179,3 +187,56 @@ class PendingCombine:
     started: Any  # a pytree of the backend's own
     partial_dtype: Any = dataclasses.field(metadata=dict(static=True))
     site: int = dataclasses.field(default=0, metadata=dict(static=True))  # of combine_start (call_sites)
+
+
+LIKE_ROWS = None  # a Result in the dtype of the rows the call moves
+
+
+class Result(NamedTuple):
+    """An array an op returns: its name (a :class:`Dispatched` or :class:`Handle` field for a dispatch's), its dtype
+    (:data:`LIKE_ROWS`: the rows'), its shape as the names of the sizes it has (:meth:`Config.sizes`), and its
+    value in a dispatch of no slot (``T = 0`` or ``K = 0``), or a function of the config that gives it."""
+
+    name: str
+    dtype: Any
+    shape: tuple[str, ...]
+    empty: Any = 0
+
+    def shape_in(self, sizes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        return tuple(n for size in self.shape for n in sizes[size])
+
+
+_I32, _F32 = jnp.int32, jnp.float32
+# A dispatch's routing of this rank's own slots, then what it receives: every Dispatched and Handle array.
+ROUTED = (Result("token_dest_pos", _I32, ("T", "R"), -1), Result("slot_dest", _I32, ("T", "K"), -1))
+RECEIVED = (
+    Result("x", LIKE_ROWS, ("layout", "H")),
+    Result("weights", _F32, ("layout",)),
+    Result("group_sizes", _I32, ("L",)),
+    Result("num_dropped", _I32, ()),
+    Result("num_invalid", _I32, ()),
+    Result("expert_load", _I32, ("L",)),
+    Result("send_counts", _I32, ("R",)),
+    Result("recv_rows", _I32, ("R", "T", "K"), -1),
+    Result("recv_counts", _I32, ("R",)),
+    Result("row_slot", _I32, ("N",), lambda config: -2 if config.layout == "ragged" else -1),
+)
+
+
+def dispatched(config: Config, arrays: dict[str, jax.Array]) -> Dispatched:
+    """The :class:`Dispatched` of a dispatch's arrays by name (:data:`ROUTED` and :data:`RECEIVED`)."""
+    handle = Handle(**{f.name: arrays[f.name] for f in dataclasses.fields(Handle) if f.name != "config"}, config=config)
+    fields = {f.name: arrays[f.name] for f in dataclasses.fields(Dispatched) if f.name in arrays}
+    return Dispatched(**fields, handle=handle)
+
+
+def empty_dispatch(config: Config, x: jax.Array) -> Dispatched:
+    """The dispatch of no slot (``T = 0`` or ``K = 0``), the same on every rank: each array at its ``empty`` value.
+    Its arrays vary over the mesh axes as ``x`` does."""
+    sizes = config.sizes(x.shape[-1])
+    arrays = {}
+    for r in ROUTED + RECEIVED:
+        value = r.empty(config) if callable(r.empty) else r.empty
+        dtype = x.dtype if r.dtype is LIKE_ROWS else r.dtype
+        arrays[r.name] = jax.lax.full_like(x, value, dtype, r.shape_in(sizes))
+    return dispatched(config, arrays)

@@ -9,7 +9,8 @@
 
 Each FFI target is specified once, in :data:`TARGETS`: its operands in order (after them, every call passes this
 rank's ``lax.axis_index``, which the kernels check against the group's rank), its attributes (one set per op,
-:func:`_attrs`) and its results in order, each a name, a dtype and a shape from the call's sizes.
+:func:`_attrs`) and its results in order, each a name, a dtype and a shape from the call's sizes (a dispatch's are
+:data:`jax_ep.ep.types.ROUTED` and :data:`~jax_ep.ep.types.RECEIVED`).
 ``ffi/xla/handlers.cc`` binds the same operands and results, typed, in the same order, and the attributes as one
 struct per op. The results come back by name, and the dispatch's make the :class:`Dispatched` and :class:`Handle`
 fields of the same names.
@@ -27,7 +28,6 @@ never records into a command buffer (:func:`target_name`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -36,19 +36,9 @@ import jax.numpy as jnp
 
 from .. import call_sites
 from .. import group as _group
-from ..types import Config, Dispatched, Handle, RowType
+from ..types import LIKE_ROWS, RECEIVED, ROUTED, Config, Dispatched, Handle, Result, RowType, dispatched
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-ROWS = None  # a result in the dtype of the rows the call moves
-
-
-class Result(NamedTuple):
-    """A result of an FFI target: its name, its dtype (ROWS: the rows'), and its shape, the names of the sizes it
-    has (:func:`_sizes`)."""
-
-    name: str
-    dtype: Any
-    shape: tuple[str, ...]
 
 
 class Target(NamedTuple):
@@ -57,23 +47,10 @@ class Target(NamedTuple):
     results: tuple[Result, ...]
 
 
-_I32, _F32 = jnp.int32, jnp.float32
-ROUTED = (Result("token_dest_pos", _I32, ("T", "R")), Result("slot_dest", _I32, ("T", "K")))
-RECEIVED = (
-    Result("x", ROWS, ("layout", "H")),
-    Result("weights", _F32, ("layout",)),
-    Result("group_sizes", _I32, ("L",)),
-    Result("num_dropped", _I32, ()),
-    Result("num_invalid", _I32, ()),
-    Result("expert_load", _I32, ("L",)),
-    Result("send_counts", _I32, ("R",)),
-    Result("recv_rows", _I32, ("R", "T", "K")),
-    Result("recv_counts", _I32, ("R",)),
-    Result("row_slot", _I32, ("N",)),
-)
+_F32 = jnp.float32
 SENT = (Result("sent", _F32, ("1",)),)  # a start's output (0): what its finish takes, to run after it
-BACKWARD = (Result("dy", ROWS, ("N", "H")), Result("dweights", _F32, ("weighted",)))
-COMBINED = (Result("out", ROWS, ("T", "H")), Result("slot_values", _F32, ("valued",)))
+BACKWARD = (Result("dy", LIKE_ROWS, ("N", "H")), Result("dweights", _F32, ("weighted",)))
+COMBINED = (Result("out", LIKE_ROWS, ("T", "H")), Result("slot_values", _F32, ("valued",)))
 
 _DISPATCH_IN = ("x", "topk_idx", "topk_weights")
 _BACKWARD_IN = ("g", "y", "weights", "token_dest_pos", "recv_rows", "recv_counts", "row_slot")
@@ -145,15 +122,6 @@ def target_name(target: str, group: _group.Group) -> str:
     return target + "_uncaptured" if group.uses_nccl() else target
 
 
-def _sizes(config: Config, hidden: int, **more: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The sizes results take their shapes from: ``T`` tokens, ``R`` ranks, ``K`` slots, ``L`` local experts, ``N``
-    layout rows, ``layout`` the layout's shape (``[C]`` or ``[L, C]``), ``H`` the row width, and ``more``."""
-    sizes = dict(
-        T=config.num_tokens, R=config.num_ranks, K=config.topk, L=config.local_experts, N=config.num_rows, H=hidden
-    )
-    return {"1": (1,), "layout": config.weights_shape, **{k: (v,) for k, v in sizes.items()}, **more}
-
-
 def _attrs(config: Config, target: str, site: int, **combine: bool) -> dict[str, Any]:
     """The attributes of a call of ``target``: the group and the call site, then the op's own (ffi/xla/handlers.cc:
     DispatchAttrs, CombineAttrs, CallAttrs)."""
@@ -185,9 +153,8 @@ def _call(
     assert len(operands) == len(spec.operands), (target, len(operands))
     types = []
     for result in spec.results:
-        shape = tuple(n for size in result.shape for n in sizes[size])
-        dtype = jnp.dtype(rows_dtype if result.dtype is ROWS else result.dtype)
-        types.append(jax.typeof(like).update(shape=shape, dtype=dtype, weak_type=False))
+        dtype = jnp.dtype(rows_dtype if result.dtype is LIKE_ROWS else result.dtype)
+        types.append(jax.typeof(like).update(shape=result.shape_in(sizes), dtype=dtype, weak_type=False))
     rank = jax.lax.axis_index(config.axis_name).astype(jnp.int32)
     call = jax.ffi.ffi_call(target_name(target, _group.group_by_id(config.group)), tuple(types))
     out = call(*operands, rank, **_attrs(config, target, site, **combine))
@@ -206,17 +173,10 @@ def _check_dtype(name: str, value: jax.Array) -> None:
         )
 
 
-def _dispatched(config: Config, out: dict[str, jax.Array]) -> Dispatched:
-    """The Dispatched of a dispatch's results, each field from the result of its name."""
-    handle = Handle(**{f.name: out[f.name] for f in dataclasses.fields(Handle) if f.name != "config"}, config=config)
-    fields = {f.name: out[f.name] for f in dataclasses.fields(Dispatched) if f.name in out}
-    return Dispatched(**fields, handle=handle)
-
-
 def _dispatch(target: str, config: Config, rows: jax.Array, *operands: jax.Array) -> dict[str, jax.Array]:
     if config.wire_dtype is None:
         _check_dtype("x", rows)
-    sizes = _sizes(config, rows.shape[1])
+    sizes = config.sizes(rows.shape[1])
     return _call(target, config, rows, sizes, rows.dtype, rows, *operands, site=config.site)
 
 
@@ -225,7 +185,7 @@ def dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: ja
 
     With ``config.wire_dtype`` set, ``x`` holds packed FP8 rows (uint8, ``jax_ep.ep.fp8``): bytes to move.
     """
-    return _dispatched(config, _dispatch("jax_ep_dispatch", config, x, topk_idx, topk_weights))
+    return dispatched(config, _dispatch("jax_ep_dispatch", config, x, topk_idx, topk_weights))
 
 
 def route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
@@ -246,7 +206,7 @@ def dispatch_finish(config: Config, started: DispatchStarted) -> Dispatched:
     """The receive phase of :func:`dispatch_start`'s call."""
     s = started
     out = _dispatch("jax_ep_dispatch_finish", config, s.rows, s.topk_idx, s.topk_weights, s.token_dest_pos, s.slot_dest)
-    return _dispatched(config, {**out, "token_dest_pos": s.token_dest_pos, "slot_dest": s.slot_dest})
+    return dispatched(config, {**out, "token_dest_pos": s.token_dest_pos, "slot_dest": s.slot_dest})
 
 
 def _combine_operands(
@@ -288,7 +248,7 @@ def _combine(
 ) -> dict[str, jax.Array]:
     """A combine call (whole, start or finish): the [T, H] sums ``out`` and, with values, ``slot_values``."""
     like = operands[5]  # token_dest_pos: a finish with staged partial sums may have no rows
-    sizes = _sizes(config, hidden, valued=(config.num_tokens, config.topk) if with_values else (0,))
+    sizes = config.sizes(hidden, valued=(config.num_tokens, config.topk) if with_values else (0,))
     combine = dict(partial_f32=partial_f32, stage_own=stage_own)
     return _call(target, config, like, sizes, dtype, *operands, site=site, **combine)
 
@@ -366,7 +326,7 @@ def _backward(target: str, handle: Handle, operands: tuple, y: jax.Array, weight
     config = handle.config
     weighted = (config.num_rows,) if weights is not None else (0,)
     rows = y.reshape(config.num_rows, -1)
-    return _call(target, config, rows, _sizes(config, rows.shape[1], weighted=weighted), y.dtype, *operands, site=site)
+    return _call(target, config, rows, config.sizes(rows.shape[1], weighted=weighted), y.dtype, *operands, site=site)
 
 
 def _backward_operands(handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None) -> tuple:
@@ -399,7 +359,7 @@ def transfer(handle: Handle, rows: jax.Array, *, site: int) -> jax.Array:
     no_y = _zeros(rows, (config.num_rows, 0), rows.dtype)
     h = handle
     operands = (rows, no_y, jnp.zeros((0,), jnp.float32), h.token_dest_pos, h.recv_rows, h.recv_counts, h.row_slot)
-    sizes = _sizes(config, rows.shape[1], weighted=(0,))
+    sizes = config.sizes(rows.shape[1], weighted=(0,))
     return _call("jax_ep_combine_backward", config, rows, sizes, rows.dtype, *operands, site=site)["dy"]
 
 
