@@ -477,6 +477,9 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   }
   DispatchParams p{c};
   p.local_experts = c.num_experts / R;
+  // Where the capacity holds every slot R ranks can route here and its padding, nothing drops, and "balanced" is
+  // "expert": the kernel skips its search for the level.
+  p.balanced = c.balanced && c.capacity < R * c.num_tokens * c.topk + p.local_experts * (c.alignment - 1);
   p.align = Divisor(c.alignment);
   p.experts_per_rank = Divisor(p.local_experts);
   p.s = RoutingScratch(c.num_tokens, c.topk, c.num_experts, R);
