@@ -6,7 +6,7 @@
 # at 3f966bc 185 s on one H200) and its profile at E=256 and E=32 without a shared expert.
 # With SKEW=1 (issue 50) only two steps run, both under skewed routing: the benchmark at 32 and 256 groups with its
 # skewed group sizes beside tokamax's forward (<= 230 s), then the layer beside its baselines at busiest-expert loads
-# of 1, 2, 4 and 10 times the mean (<= 300 s); WHEELS as for LAYER=1.
+# of 1, 2, 4 and 10 times the mean, those that E/K allows (<= 300 s); WHEELS as for LAYER=1.
 #   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [SKEW=1] [TESTS=0] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
 #     bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
@@ -35,13 +35,13 @@ step() {  # NAME SECONDS COMMAND...
 }
 export PYTHONPATH=$repo
 if [ "${SKEW:-0}" = 1 ]; then
-  export PYTHONPATH=$repo:${WHEELS:-}
+  export PYTHONPATH=$repo${WHEELS:+:$WHEELS}
   step grouped_matmul_skews 230 env JAX_EP_COMMAND="python -m bench.grouped_matmul OUT/grouped_matmul_skews.json \
 --shapes 32768,7168,2048,32 32768,7168,2048,256 --no-ragged-dot --iters 10" python3 -m bench.grouped_matmul \
     "$OUT/grouped_matmul_skews.json" --shapes 32768,7168,2048,32 32768,7168,2048,256 --no-ragged-dot --iters 10
   wait $build
   if [ "$(cat "$OUT/build.rc")" = 0 ]; then
-    export PYTHONPATH=/tmp/jax_ep_site:$repo:${WHEELS:-}
+    export PYTHONPATH=/tmp/jax_ep_site:$repo${WHEELS:+:$WHEELS}
     LD_LIBRARY_PATH="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')/lib:${LD_LIBRARY_PATH:-}"
     export LD_LIBRARY_PATH
   fi
@@ -76,7 +76,7 @@ else
   echo "the CUDA extension did not build (build.log): the MoE profile runs with backend xla"
 fi
 if [ "${LAYER:-0}" = 1 ]; then
-  export PYTHONPATH=$PYTHONPATH:${WHEELS:-}  # WHEELS: where tokamax and its dependencies are installed
+  export PYTHONPATH=$PYTHONPATH${WHEELS:+:$WHEELS}  # WHEELS: where tokamax and its dependencies are installed
   step moe_layer_baselines 260 env JAX_EP_COMMAND="pip install '.[bench]'; python -m bench.moe_layer_baselines \
 OUT/moe_layer_baselines.json --iters 5 --ablate" python3 -m bench.moe_layer_baselines \
     "$OUT/moe_layer_baselines.json" --iters 5 --ablate

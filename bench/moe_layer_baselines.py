@@ -18,7 +18,8 @@ gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared 
 Each ``--skews`` value R is a routing whose busiest expert gets about R times the mean load (1: the tokens as drawn,
 about uniform): the tokens are shifted along one fixed random direction, which biases each expert's router logit,
 by the amount that bisection finds for R (:func:`skewed_tokens`); each row records the load it got (largest over
-mean, empty experts). Every row but ``dense`` is timed at every skew, with the same compiled step.
+mean, empty experts). Every row but ``dense`` is timed at every skew, with the same compiled step. A skew above
+E/K, the most a top-K router can give one expert, is left out for that E and listed under ``skipped``.
 
 With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
 runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``) and
@@ -112,19 +113,29 @@ def load(x, w_router, topk: int) -> dict:
     return {"max_over_mean": float(sizes.max() * sizes.size / sizes.sum()), "empty": int((sizes == 0).sum())}
 
 
+def most_skew(experts: int, topk: int) -> float:
+    """The largest busiest-expert load over the mean a top-K router can give: every token to one expert, E / K."""
+    return experts / topk
+
+
 def skewed_tokens(x, w_router, topk: int, target: float, steps: int = 24):
     """``x`` shifted by ``s`` times a fixed random direction (standard normal, like a token), ``s`` found by bisection
     so that the router's busiest expert gets about ``target`` times the mean load; ``target`` 1 keeps ``x``. Returns
-    the tokens and ``{"shift": s, **load(...)}``."""
+    the tokens and ``{"shift": s, **load(...)}``; a ``ValueError`` where the shift cannot reach ``target``."""
     if target <= 1:
         return x, {"shift": 0.0, **load(x, w_router, topk)}
+    if target > most_skew(w_router.shape[1], topk):
+        raise ValueError(f"skew {target}: a top-{topk} router of {w_router.shape[1]} experts gives at most E/K")
     direction = jax.random.normal(jax.random.key(3), (1, x.shape[1]))
 
     def shifted(shift):
         return (x.astype(jnp.float32) + shift * direction).astype(x.dtype)
 
     lo, hi = 0.0, 1.0
-    while load(shifted(hi), w_router, topk)["max_over_mean"] < target and hi < 1e3:
+    while load(shifted(hi), w_router, topk)["max_over_mean"] < target:
+        if hi > 1e3:
+            reached = load(shifted(hi), w_router, topk)["max_over_mean"]
+            raise ValueError(f"skew {target}: shifting the tokens by up to {hi:g} reached {reached:.2f} only")
         lo, hi = hi, 2 * hi
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -198,11 +209,14 @@ def main() -> None:
     ablations = ABLATIONS if args.ablate else ()
     if "moe" not in args.rows:
         remats, ablations = (), ()
-    rows = []
+    rows, skipped = [], []  # skipped: the skews a router of E experts cannot give
     for experts in args.experts:
         arrays = weights(jax.random.key(2), experts, h, f)
         w_router, w_gate, w_in, w_out = arrays
-        skewed = [skewed_tokens(x, w_router, k, target) for target in args.skews]
+        skews = [target for target in args.skews if target <= most_skew(experts, k)]
+        for target in sorted(set(args.skews) - set(skews)):
+            skipped.append({"experts": experts, "skew": target, "why": f"above E/K = {most_skew(experts, k):g}"})
+        skewed = [skewed_tokens(x, w_router, k, target) for target in skews]
         times = [{} for _ in skewed]  # per skew: row name -> seconds
         if backend == "cuda":
             jax_ep.initialize(mesh, "ep", num_tokens=t, hidden=h, topk=k, num_experts=experts, dtype=jnp.bfloat16)
@@ -232,7 +246,7 @@ def main() -> None:
             recipes["sort_jax_ep"] = training_step(sorted_recipe(lambda a, w, s: jax_ep.grouped_matmul(a, w, s), k))
         if tokamax_dot is not None and "sort_tokamax" in args.rows:
             recipes["sort_tokamax"] = training_step(sorted_recipe(tokamax_dot, k))
-        for (xs, routing), at, target in zip(skewed, times, args.skews, strict=True):
+        for (xs, routing), at, target in zip(skewed, times, skews, strict=True):
             at["dense"] = dense
             for name, step in recipes.items():
                 at[name] = time_call(step, (xs, w_router, w_gate, w_in, w_out, c), args.iters)
@@ -256,6 +270,7 @@ def main() -> None:
         "shape": {"tokens": t, "hidden": h, "intermediate": f, "topk": k, "dtype": "bfloat16"},
         "tokamax": tokamax_missing or __import__("tokamax").__version__,
         "rows": rows,
+        "skipped": skipped,
     }
     write(args.out, payload)
     print(f"\nbackend {backend}, T={t} H={h} F={f} K={k} bf16; tokamax: {payload['tokamax']}")
@@ -272,6 +287,8 @@ def main() -> None:
         for key in ("tokamax_over_moe", "moe_over_first_skew"):
             if key in row:
                 print(f"{e:>4} {row['skew']:5.1f} {key} = {row[key]:.2f}")
+    for skip in skipped:
+        print(f"{skip['experts']:>4} {skip['skew']:5.1f} not timed: {skip['why']}")
 
 
 if __name__ == "__main__":

@@ -621,19 +621,38 @@ def test_moe_layer_bench_skews_the_router_to_its_target():
         assert shifted.shape == x.shape and shifted.dtype == x.dtype and routing["shift"] > 0
         assert target <= routing["max_over_mean"] <= 1.1 * target, routing
         assert routing == {"shift": routing["shift"], **bench.load(shifted, w_router, 2)}
+    with pytest.raises(ValueError, match="at most E/K"):  # 16 experts, top-2: one expert gets 8 times the mean
+        bench.skewed_tokens(x, w_router, 2, 8.5)
+
+
+@pytest.mark.slow
+def test_grouped_matmul_bench_checks_its_skews_before_it_needs_a_gpu(tmp_path):
+    """bench/grouped_matmul.py's defaults pass its check of the skews against the shapes, and a skew a shape cannot
+    have (max:10 of 8 groups) fails there, before anything is timed (on CPU: before it asks for a Hopper GPU)."""
+    command = [sys.executable, "-m", "bench.grouped_matmul", str(tmp_path / "gm.json")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    default = subprocess.run(command, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    assert default.returncode != 0 and "needs a Hopper GPU" in default.stderr, default.stderr[-2000:]
+    small = subprocess.run(
+        command + ["--shapes", "64,64,64,8"], cwd=ROOT, env=env, timeout=300, capture_output=True, text=True
+    )
+    assert "max:R needs 1 <= R <= G=8" in small.stderr and "Hopper" not in small.stderr, small.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
     """The layer bench end to end on CPU (backend xla, small shapes): a row per skew, each with the layer, the dense
-    floor and the recipe with jax_ep's grouped matmul, and the layer against its time at the first skew."""
+    floor and the recipe with jax_ep's grouped matmul, and the layer against its time at the first skew; a skew
+    above E/K is listed as skipped."""
     out = tmp_path / "layer.json"
-    command = [sys.executable, "-m", "bench.moe_layer_baselines", str(out), "--experts", "8", "--skews", "1", "3"]
+    command = [sys.executable, "-m", "bench.moe_layer_baselines", str(out), "--experts", "8", "--skews", "1", "3", "5"]
     command += ["--tokens", "256", "--hidden", "128", "--intermediate", "64", "--topk", "2", "--iters", "1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert [(r["experts"], r["skew"]) for r in rows] == [(8, 1.0), (8, 3.0)]
+    assert result["skipped"] == [{"experts": 8, "skew": 5.0, "why": "above E/K = 4"}]
     for row in rows:
         assert {"moe", "dense", "sort_jax_ep"} <= set(row["ms"]) and min(row["ms"].values()) > 0
     assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
