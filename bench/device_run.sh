@@ -37,7 +37,8 @@
 # deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
 # SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
-# SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP saying so).
+# SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP saying so), SUITE_SHARDS (pytest
+# processes of the tests and tests_backend steps; default 4 on one GPU, else 1).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
 # file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
 # logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
@@ -261,6 +262,9 @@ else
   backend_k="auto and (pairs_go or gradients or matches_xla and uniform and bf16 or many_calls)"
 fi
 backend_k=${SUITE_BACKEND_K-$backend_k}
+# The tests and tests_backend steps run their tests in this many pytest processes at once (bench/gpu_tests.py
+# --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them, alone).
+shards=${SUITE_SHARDS:-$([ "$GPUS" -le 1 ] && echo 4 || echo 1)}
 
 for i in "${!PLAN_NAME[@]}"; do
   name=${PLAN_NAME[i]}
@@ -290,14 +294,14 @@ for i in "${!PLAN_NAME[@]}"; do
         for f in tests/test_cuda_*.py; do
           [ "$f" = tests/test_cuda_backend.py ] || files+=("$f")
         done
-        run_step tests "$limit" "$result" python3 -m bench.gpu_tests "$result" "${files[@]}"
+        run_step tests "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" "${files[@]}"
       else
         run_step tests "$limit" "$result" python3 -m bench.gpu_tests "$result" tests/test_cuda_multiprocess.py \
           -k "one_process_per_gpu or never_arrives"
       fi ;;
     tests_backend)
-      run_step tests_backend "$limit" "$result" python3 -m bench.gpu_tests "$result" tests/test_cuda_backend.py \
-        ${backend_k:+-k "$backend_k"} ;;
+      run_step tests_backend "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" \
+        tests/test_cuda_backend.py ${backend_k:+-k "$backend_k"} ;;
     fuzz_r*)
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)

@@ -14,6 +14,7 @@
 # Its files in $OUT: gpu_tests.json, kernels_128.json, kernels_4096.json, targets.json and all.log.
 # Each SOURCE is a jax_ep source tree named by its folder, e.g. made by
 #   git archive <commit> jax_ep ffi CMakeLists.txt pyproject.toml README.md | tar -x -C .builds/<commit>
+# The GPU tests run in SHARDS pytest processes at once (default 4; bench/gpu_tests.py --shards).
 # Builds go to /tmp/jax_ep_builds/<name> with pip install --target; a later call on the same machine reuses
 # those whose sources did not change.
 set -uo pipefail
@@ -74,8 +75,8 @@ for name in test_cuda_layout.py test_cuda_backend.py test_cuda_multiprocess.py t
   [ -f "$repo/tests/$name" ] && gpu_test_files+=("$repo/tests/$name")
 done
 if [ "$stage" = tests ]; then
-  PYTHONPATH="$builds/current:$repo" timeout 450 python3 -m bench.gpu_tests "$OUT/gpu_tests.json" \
-    "${gpu_test_files[@]}" 2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
+  PYTHONPATH="$builds/current:$repo" timeout -s INT -k 10 450 python3 -m bench.gpu_tests "$OUT/gpu_tests.json" \
+    --shards "${SHARDS:-4}" "${gpu_test_files[@]}" 2>&1 | grep -v "^\s*@ 0x" > "$OUT/tests.log"
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
   exit 0
 fi
@@ -163,8 +164,8 @@ if [ "$stage" = all ]; then
     echo "[${SECONDS} s] GPU tests: skipped, no test file" | tee -a "$log"
   else
     step "GPU tests" "$(limit 240 $((10 + 2 * 85 + 160 + 15)))" env JAX_EP_COMMAND="bash bench/device_run_one_gpu.sh \
-all: python -m bench.gpu_tests OUT/gpu_tests.json ${test_names[*]}" \
-      python3 -m bench.gpu_tests "$OUT/gpu_tests.json" "${test_names[@]/#/$repo/}"
+all: python -m bench.gpu_tests OUT/gpu_tests.json --shards ${SHARDS:-4} ${test_names[*]}" \
+      python3 -m bench.gpu_tests "$OUT/gpu_tests.json" --shards "${SHARDS:-4}" "${test_names[@]/#/$repo/}"
   fi
   for tokens in 128 4096; do
     seconds=$(limit 60 $((25 + (tokens == 128 ? 85 : 0) + 160 + 15)))
