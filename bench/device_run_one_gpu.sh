@@ -4,7 +4,8 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh all       # tests, ncu profile, targets: one call, <= 9.5 min
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh tests
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
-#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile   # kernels of one dispatch + combine (ncu)
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile [SOURCE ...]  # kernels of one dispatch + combine
+#                                                                    # (ncu), of this build and each SOURCE
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh split     # kernels of one whole and one split step (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh training  # kernels of one training step, cuda and xla (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh sanitize  # memcheck, racecheck, synccheck, initcheck
@@ -80,17 +81,24 @@ if [ "$stage" = tests ]; then
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/tests.log"
   exit 0
 fi
+# The build that ncu_run and ncu_summary profile: BUILD (default current); another build's files end in _<its name>.
+ncu_name() {  # tokens [step]
+  local build=${BUILD:-current}
+  echo "kernels_$1${2:+_$2}$([ "$build" = current ] || echo "_${build#.}")"
+}
 ncu_run() {  # tokens seconds [step]: every kernel of 3 calls of one step (default: dispatch + combine) under
-  # Nsight Compute, into /tmp/kernels_<tokens>[_<step>].csv
-  local name=kernels_$1${3:+_$3}
+  # Nsight Compute, into /tmp/kernels_<tokens>[_<step>][_<build>].csv
+  local name
+  name=$(ncu_name "$1" "${3:-}")
   rm -f "/tmp/$name.csv"
-  PYTHONPATH="$builds/current:$repo" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+  PYTHONPATH="$builds/${BUILD:-current}:$repo" timeout -k 10 "$2" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     --print-units base --log-file "/tmp/$name.csv" python3 -m bench.profile_kernels run --tokens "$1" \
     --step "${3:-exchange}"
 }
-ncu_summary() {  # tokens [step]: the last call's kernels by op, into $OUT/kernels_<tokens>[_<step>].json
-  local name=kernels_$1${2:+_$2}
-  PYTHONPATH="$builds/current:$repo" timeout 60 python3 -m bench.profile_kernels summarize \
+ncu_summary() {  # tokens [step]: the last call's kernels by op, into $OUT/kernels_<tokens>[_<step>][_<build>].json
+  local name
+  name=$(ncu_name "$1" "${2:-}")
+  PYTHONPATH="$builds/${BUILD:-current}:$repo" timeout 60 python3 -m bench.profile_kernels summarize \
     "/tmp/$name.csv" "$OUT/$name.json" --tokens "$1" --step "${2:-exchange}"
 }
 if [ "$stage" = sanitize ]; then  # the four compute-sanitizer tools over bench/sanitize.py's probe, one by one
@@ -104,10 +112,12 @@ OUT/sanitize_$tool.json --tools $tool --timeout 130" XLA_FLAGS=$flags XLA_PYTHON
   done
   exit 0
 fi
-if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute
-  for tokens in 128 4096; do
-    ncu_run "$tokens" 200 > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
-    ncu_summary "$tokens"
+if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from Nsight Compute, of each build
+  for name in "${names[@]}"; do
+    for tokens in 128 4096; do
+      BUILD=$name ncu_run "$tokens" 200 > "/tmp/profile_$tokens.log" 2>&1 || tail -20 "/tmp/profile_$tokens.log"
+      BUILD=$name ncu_summary "$tokens"
+    done
   done
   exit 0
 fi
