@@ -177,7 +177,7 @@ Outputs Fill(Tuple& results) {
 }
 
 // A dispatch: x [T, W] (rows of W bytes), topk_idx and topk_weights [T, K]; the results in the order of its phase
-// (cuda.py: RECEIVED then ROUTED; ROUTED then SENT; RECEIVED).
+// (TARGETS in cuda.py: RECEIVED then ROUTED; ROUTED then SENT; RECEIVED).
 template <Phase kPhase, typename... Results>
 ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, GroupState* state,
                        const DispatchAttrs& attrs, Rows x, I32 topk_idx, F32 topk_weights, I32 axis_index,
@@ -353,7 +353,7 @@ auto AxisAndResults(Binding&& binding, Types<Ts...>) {
   return WithResults<Ts...>(std::move(binding).template Arg<I32>());
 }
 
-// The results of the targets, typed, in the order of cuda.py's spec (RECEIVED, ROUTED, SENT, BACKWARD, COMBINED).
+// The results of the targets, typed, in the order of cuda.py's TARGETS (RECEIVED and ROUTED from types.py).
 using Received = Types<Rows, F32, I32, I32, I32, I32, I32, I32, I32, I32>;
 using Routed = Types<I32, I32>;
 using Sent = Types<F32>;
