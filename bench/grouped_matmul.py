@@ -8,8 +8,9 @@ Shapes (default: the three of issue 13): ``x [M, K]`` bf16, ``w [G, K, N]`` bf16
 to G experts (``sum == M``), ``equal``, M/G rows each, and ``skewed``, ``random`` with a quarter of the rows moved to
 group 0; ``--skews`` adds more (default :data:`SKEWS`: one group at about twice the mean, power laws whose largest
 group is 2, 4 and 10 times the mean, Dirichlet(4)), each recorded with its largest group over the mean. On the
-sizes past ``random`` and ``equal`` only the user's ``fwd``, ``dx`` and ``dw`` run, and ``fwd_tokamax``,
-``tokamax.ragged_dot``'s forward, where tokamax imports (on every size).
+sizes past ``random`` and ``equal`` only :data:`SKEW_OPS` run: the user's ``fwd``, ``dx`` and ``dw``, the same on
+the padded path past its rows too (``*_beyond``, :class:`jax_ep.gmm.grouped_matmul.Plan`'s ``beyond``, where a
+padded size exists), and ``fwd_tokamax``, ``tokamax.ragged_dot``'s forward, where tokamax imports.
 The dense reference is ``einsum('gmk,gkn->gmn')`` over G groups of M/G rows (same FLOPs); its gradients are
 ``einsum('gmn,gkn->gmk')`` (dx) and ``einsum('gmk,gmn->gkn')`` (dw). Each op is jitted alone. ``fwd``, ``dx``
 and ``dw`` are what the custom VJP computes (``jax_ep.gmm.grouped_matmul.plan_for`` says which path each op
@@ -100,6 +101,7 @@ def api_probe() -> dict:
 
 
 KINDS = ("random", "equal", "skewed")
+SKEW_OPS = ("fwd", "dx", "dw", "fwd_beyond", "dx_beyond", "dw_beyond", "fwd_tokamax")  # timed on every kind
 # Skewed sizes (issue 50), timed for fwd, dx and dw beside tokamax's forward: one group at about twice the mean
 # ("outsized"), a power law whose largest group is R times the mean ("max:R"), and Dirichlet(alpha) expert
 # probabilities ("dirichlet:ALPHA").
@@ -249,6 +251,11 @@ def gmm_fns(plan: gm.Plan, x, w):
             alone = alone._replace(padded=None)
             fns[f"fwd_{kernel}"] = jax.jit(lambda x, w, s, p=alone: gm.custom_grouped_matmul(x, w, s, p))
             fns[f"dx_{kernel}"] = jax.jit(lambda dy, w, s, p=alone: gm.dx_op(dy, w, s, p))
+    if plan.padded is not None:  # the three ops on the padded path, past its rows too (Plan.beyond)
+        beyond = plan._replace(padded_ops=("fwd", "dx", "dw"), beyond=True)
+        fns["fwd_beyond"] = jax.jit(lambda x, w, s: gm.custom_grouped_matmul(x, w, s, beyond))
+        fns["dx_beyond"] = jax.jit(lambda dy, w, s: gm.dx_op(dy, w, s, beyond))
+        fns["dw_beyond"] = jax.jit(lambda x, dy, s: gm.dw_op(x, dy, s, beyond))
     return fns
 
 
@@ -395,7 +402,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool, skews: tuple[str, ...] = S
         row["sizes"][kind] = sizes_summary(sizes)
         s = jnp.asarray(sizes)
         for op, fn in fns.items():
-            if kind not in ("random", "equal") and op not in ("fwd", "dx", "dw", "fwd_tokamax"):
+            if kind not in ("random", "equal") and op not in SKEW_OPS:
                 continue  # the kernels alone are timed on the other sizes, and the padded path needs them to fit
             args = (x, w, s) if op.startswith("fwd") else ((x, dy, s) if op.startswith("dw") else (dy, w, s))
             try:
@@ -438,6 +445,7 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool, skews: tuple[str, ...] = S
 
 OPS = ("fwd", "fwd_upstream", "fwd_tiles", "fwd_specialized", "fwd_padded")
 OPS += ("dx", "dx_upstream", "dx_tiles", "dx_specialized", "dx_padded", "dw", "fwd_tokamax")
+OPS += ("fwd_beyond", "dx_beyond", "dw_beyond")
 OPS += (
     "dw_kernel",
     "dw_pipelined",
@@ -548,15 +556,15 @@ def best_of_sweep(results):
 
 
 def print_skews(rows: list[dict]) -> None:
-    """The user's ops and tokamax's forward by group sizes: ratio to the einsum, and jax_ep's forward against
-    tokamax's."""
+    """The user's ops, the same past the padded rows (``_b``) and tokamax's forward by group sizes: ratio to the
+    einsum, and jax_ep's forward against tokamax's."""
     print("\nratio to the einsum of the same op by group sizes; fwd/tokamax above 1: jax_ep's forward is the faster")
     head = f"{'M x K x N, G':24} {'sizes':12} {'max/mean':>8}"
-    print(f"{head} {'fwd':>6} {'dx':>6} {'dw':>6} {'tkmx':>6} {'fwd/tkmx':>6}")
+    print(f"{head} {'fwd':>6} {'dx':>6} {'dw':>6} {'fwd_b':>6} {'dx_b':>6} {'dw_b':>6} {'tkmx':>6} {'fwd/tkmx':>6}")
     for r in rows:
         name = f"{r['M']}x{r['K']}x{r['N']}, {r['G']}"
         for kind, summary in r["sizes"].items():
-            ratios = [r["ratio_vs_einsum"].get(f"gmm_{op}_{kind}") for op in ("fwd", "dx", "dw", "fwd_tokamax")]
+            ratios = [r["ratio_vs_einsum"].get(f"gmm_{op}_{kind}") for op in SKEW_OPS]
             ratios.append(r["fwd_over_tokamax"].get(kind))
             cells = " ".join(f"{v:6.2f}" if v is not None else f"{'-':>6}" for v in ratios)
             print(f"{name:24} {kind:12} {summary['max_over_mean']:8.2f} {cells}")

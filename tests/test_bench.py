@@ -585,7 +585,7 @@ def test_grouped_matmul_bench_prints_every_op_it_times(groups):
     plan = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype)
     fns = bench.gmm_fns(plan, x, w)
     timed = set(fns) | set(bench.padded_fns(192)) | set(bench.padded_fns(192, "_step16"))
-    assert {"dw_pipelined", "dw_specialized"} <= timed
+    assert {"dw_pipelined", "dw_specialized", "fwd_beyond", "dx_beyond", "dw_beyond"} <= timed
     assert timed <= set(bench.OPS), timed - set(bench.OPS)
     dy = jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
@@ -626,7 +626,7 @@ def test_grouped_matmul_bench_group_sizes_reach_their_skews(groups, capsys):
     bench.print_skews([row])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 + len(kinds), lines
-    assert lines[-1].split()[-6:] == ["4.00", "0.50", "0.50", "0.50", "-", "1.25"], lines[-1]
+    assert lines[-1].split()[-9:] == ["4.00", "0.50", "0.50", "0.50", "-", "-", "-", "-", "1.25"], lines[-1]
 
 
 def test_moe_layer_bench_skews_the_router_to_its_target():

@@ -186,6 +186,26 @@ def test_tile_table_covers_each_valid_row_once(case, block_m, align):
     assert rows[-1] == 0 or num_tiles == np.sum(rows > 0), "num_row_tiles must bound the tiles"
 
 
+def test_tile_table_from_starts_covers_the_rows_past_each_groups_first():
+    """Groups from explicit starts (the rows past each group's first C, as Plan.beyond's forward and dx kernel
+    takes them): each of their rows is covered once, no other row, and num_row_tiles still bounds the tiles."""
+    sizes = np.asarray([300, 0, 40, 90, 200, 64, 3], np.int32)
+    m, rows, block_m = int(sizes.sum()) + 13, 64, 64
+    rest, starts = (np.asarray(a) for a in padded.rows_beyond(jnp.asarray(sizes), rows, m))
+    assert rest.tolist() == [236, 0, 0, 26, 136, 0, 0]
+    num_tiles = num_row_tiles(m, len(sizes), block_m)
+    group, row, skip, count = (np.asarray(a) for a in tile_table(jnp.asarray(rest), block_m, num_tiles, 8, starts))
+    covered = np.zeros(m, np.int32)
+    for g, r, k, n in zip(group, row, skip, count, strict=True):
+        if n:
+            assert r % 8 == 0 and starts[g] <= r + k and r + k + n <= starts[g] + rest[g]
+            covered[r + k : r + k + n] += 1
+    want = np.zeros(m, np.int32)
+    for start, n in zip(starts, rest, strict=True):
+        want[start : start + n] = 1
+    np.testing.assert_array_equal(covered, want)
+
+
 def test_tile_table_bound_is_tight_enough():
     """Many 1-row groups each 7 rows into an 8-row tile: every group takes a tile of its own."""
     sizes = np.asarray([7] + [1] * 40, np.int32)
@@ -193,6 +213,12 @@ def test_tile_table_bound_is_tight_enough():
     num_tiles = num_row_tiles(m, len(sizes), block_m)
     rows = np.asarray(tile_table(jnp.asarray(sizes), block_m, num_tiles)[3])
     assert np.sum(rows > 0) == len(sizes) <= num_tiles
+
+
+def _held_rows(m: int, starts, sizes):
+    """``[G, M]`` bool: row r is one of group g's, rows ``[starts[g], starts[g] + sizes[g])``."""
+    r = jnp.arange(m)[None, :]
+    return (r >= starts[:, None]) & (r < (starts + sizes)[:, None])
 
 
 def fake_kernels(monkeypatch, seen):
@@ -209,14 +235,23 @@ def fake_kernels(monkeypatch, seen):
             assert a.shape[0] % mosaic.ROW_MULTIPLE == 0, f"{name} got {a.shape[0]} rows"
         seen.append(name)
 
-    def ragged(lhs, rhs, group_sizes, blocks, *, transpose_rhs=False, specialized=False):
-        rows_ok("ragged_dot", lhs)
-        out = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
-        return jnp.where(gm._rows_below(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
+    def ragged(lhs, rhs, group_sizes, blocks, *, transpose_rhs=False, specialized=False, group_starts=None):
+        rows_ok("ragged_dot" if group_starts is None else "ragged_dot_from_starts", lhs)
+        rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        if group_starts is None:
+            out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+            return jnp.where(gm._rows_below(lhs.shape[0], group_sizes), out, jnp.nan).astype(lhs.dtype)
+        held = _held_rows(lhs.shape[0], group_starts, group_sizes)  # [G, M]
+        out = jnp.einsum("gm,mk,gkn->mn", held.astype(jnp.float32), lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+        return jnp.where(held.any(0)[:, None], out, jnp.nan).astype(lhs.dtype)
 
-    def transposed(lhs, rhs, group_sizes, blocks, *, specialized=False):
-        rows_ok("transposed_ragged_dot", lhs, rhs)
-        return gm._xla_dw(lhs, rhs, group_sizes).astype(lhs.dtype)
+    def transposed(lhs, rhs, group_sizes, blocks, *, specialized=False, group_starts=None):
+        rows_ok("transposed_ragged_dot" if group_starts is None else "transposed_ragged_dot_from_starts", lhs, rhs)
+        if group_starts is None:
+            return gm._xla_dw(lhs, rhs, group_sizes).astype(lhs.dtype)
+        held = _held_rows(lhs.shape[0], group_starts, group_sizes)[..., None]  # rows outside a group: 0, never NaN
+        lhs_g, rhs_g = jnp.where(held, lhs.astype(jnp.float32), 0), jnp.where(held, rhs.astype(jnp.float32), 0)
+        return jnp.einsum("gmk,gmn->gkn", lhs_g, rhs_g).astype(lhs.dtype)
 
     monkeypatch.setattr(mosaic, "ragged_dot", ragged)
     monkeypatch.setattr(mosaic, "upstream_ragged_dot", ragged)
@@ -224,11 +259,63 @@ def fake_kernels(monkeypatch, seen):
     monkeypatch.setattr(gm.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     rc = padded._row_copies
     if rc is not None:  # None with a jax without Pallas Triton: the copies are XLA's already
-        monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows))
-        unpad = lambda p, starts, sizes, m, plus=None: padded._xla_unpad(padded.summed(p, plus), sizes, m)  # noqa: E731
+        monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows, starts))
+
+        def unpad(p, starts, sizes, m, plus=None, *, into=None, total=None):
+            return padded._xla_unpad(padded.summed(p, plus), sizes, m, starts, into, total)
+
         monkeypatch.setattr(rc, "unpad", unpad)
         zero = lambda a, first: jnp.where(jnp.arange(a.shape[0])[:, None] < first, a, 0)  # noqa: E731
         monkeypatch.setattr(rc, "zero_rows_from", zero)
+
+
+# Sizes for Plan.beyond at padded rows 96: all fit; one group past them; three past them; more past them than
+# BEYOND_GROUPS (set to 2 here), where dw takes its kernel for every row.
+BEYOND = {
+    "fit": [90, 0, 64, 96, 30],
+    "one_larger": [90, 0, 150, 96, 30],
+    "three_larger": [200, 0, 97, 96, 130, 1],
+    "past_most": [200, 0, 97, 96, 130, 1],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEYOND))
+def test_beyond_takes_the_padded_path_past_its_rows(monkeypatch, case):
+    """Plan.beyond: where a group has more rows than the padded path's, the forward pass and dx still take the padded
+    path for every group's first rows and the row-tile kernel for the rest, and dw its kernel for the larger
+    groups whole; ragged_dot's results exactly (integer values, exact in float32), NaN past the groups reaching
+    nothing; dw falls back to its kernel where more than BEYOND_GROUPS groups are larger."""
+    fake_kernels(monkeypatch, [])
+    monkeypatch.setattr(gm, "BEYOND_GROUPS", 2 if case == "past_most" else 4)
+    # The kernels this case must not run give NaN (every branch of a lax.cond is traced, one runs).
+    barred = {"fit": {"rows", "rows_from_starts", "dw", "dw_from_starts"}, "past_most": {"rows", "dw_from_starts"}}
+    barred = barred.get(case, {"rows", "dw"})
+
+    def unless_barred(kernel, name):
+        def run_or_nan(*args, group_starts=None, **kwargs):
+            out = kernel(*args, group_starts=group_starts, **kwargs)
+            return out * jnp.nan if name + ("" if group_starts is None else "_from_starts") in barred else out
+
+        return run_or_nan
+
+    monkeypatch.setattr(gm._mosaic, "ragged_dot", unless_barred(gm._mosaic.ragged_dot, "rows"))
+    monkeypatch.setattr(gm._mosaic, "transposed_ragged_dot", unless_barred(gm._mosaic.transposed_ragged_dot, "dw"))
+    sizes = np.asarray(BEYOND[case], np.int32)
+    m, k, n = int(sizes.sum()) + 11, 64, 128
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, (m, k)).astype(np.float32)
+    dy = rng.integers(-3, 4, (m, n)).astype(np.float32)
+    x[sizes.sum() :] = dy[sizes.sum() :] = np.nan
+    w = rng.integers(-3, 4, (len(sizes), k, n)).astype(np.float32)
+    x, w, dy = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+    plan = gm.Plan(Blocks(64, 64, 64, 2, 1), Blocks(64, 64, 64, 2, 1), Blocks(64, 64, 64, 2, 1), "tiles")
+    plan = plan._replace(padded=96, padded_ops=("fwd", "dx", "dw"), beyond=True)
+    y, dx, dw = run(lambda a, b, c: gm.custom_grouped_matmul(a, b, c, plan), x, w, jnp.asarray(sizes), dy)
+    y_ref, dx_ref, dw_ref = reference(x, w, sizes, dy)
+    s = int(sizes.sum())
+    np.testing.assert_array_equal(y[:s], y_ref[:s])
+    np.testing.assert_array_equal(dx, dx_ref)  # 0 past the groups
+    np.testing.assert_array_equal(dw, dw_ref)
 
 
 @pytest.mark.parametrize("rows", ["upstream", "tiles", "specialized"])

@@ -84,10 +84,10 @@ def test_fused_mlp_takes_one_path_and_matches_ragged_dot(monkeypatch, case, gate
     fake_kernels(monkeypatch, [])
     if case != "too_large":
 
-        def ragged(lhs, rhs, sizes, blocks, *, transpose_rhs=False, specialized=False):
+        def ragged(lhs, rhs, sizes, blocks, *, transpose_rhs=False, specialized=False, group_starts=None):
             return jnp.full((lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]), jnp.nan, lhs.dtype)
 
-        def transposed(lhs, rhs, sizes, blocks, *, specialized=False):
+        def transposed(lhs, rhs, sizes, blocks, *, specialized=False, group_starts=None):
             return jnp.full((sizes.shape[0], lhs.shape[1], rhs.shape[1]), jnp.nan, lhs.dtype)
 
         monkeypatch.setattr(gm._mosaic, "ragged_dot", ragged)

@@ -53,7 +53,10 @@ class Plan(NamedTuple):
     with warp specialization (tiles ``dw``). ``padded``: rows per group
     of the padded dense path (:mod:`jax_ep.gmm.padded`), which
     the ops named in ``padded_ops`` take instead of their kernel when no group is larger, or None for the
-    kernels alone.
+    kernels alone. ``beyond``: where a group is larger, those ops still take the padded path, the forward pass and
+    ``dx`` for every group's first ``padded`` rows with jax_ep's row-tile kernel for the rest, ``dw`` with its
+    kernel for the larger groups whole (while at most :data:`BEYOND_GROUPS` are larger), instead of their kernel
+    for every row.
     """
 
     fwd: Blocks | None
@@ -63,6 +66,7 @@ class Plan(NamedTuple):
     dw_specialized: bool = False
     padded: int | None = None
     padded_ops: tuple[str, ...] = ()
+    beyond: bool = False
 
     def padded_rows(self, op: str) -> int | None:
         """Rows per group of the padded path for ``op``, or None when ``op`` runs its kernel alone."""
@@ -99,6 +103,9 @@ PADDED_OPS = ("dx", "dw")
 # path still takes dw where every group fits (docs/maintainers/performance_notes.md).
 LARGE_GROUPS = 512
 SPECIALIZED = Blocks(128, 256, 64, 3, 8)
+
+# Plan.beyond: dw's padded path takes at most this many groups larger than its rows through its kernel.
+BEYOND_GROUPS = 16
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
@@ -298,16 +305,31 @@ def _xla_dw(x, dy, group_sizes):
     return lax.ragged_dot_general(x, dy, group_sizes, dims)
 
 
-def _op(name: str, blocks: Blocks | None, xla, mosaic, *args, padded=None, rows: int | None = None):
-    """One op: on CUDA its kernel, or ``padded(*args, rows)`` when every group has at most ``rows`` rows;
-    elsewhere (or without tiles) ``xla``. ``args[2]`` is ``group_sizes``."""
+def _op(
+    name: str,
+    blocks: Blocks | None,
+    xla,
+    mosaic,
+    *args,
+    padded=None,
+    rows: int | None = None,
+    beyond=None,
+    beyond_fits=None,
+):
+    """One op: on CUDA its kernel, or ``padded(*args, rows)`` when every group has at most ``rows`` rows, and
+    otherwise, with ``beyond``, ``padded(*args, rows, beyond)`` where ``beyond_fits(group_sizes)`` (or always
+    without it); elsewhere (or without tiles) ``xla``. ``args[2]`` is ``group_sizes``."""
     if blocks is None:
         return xla(*args)
 
     kernel = varying_like_inputs(mosaic)
     if padded is not None and rows is not None:
         dense = varying_like_inputs(lambda *a: padded(*a, rows))
-        on_gpu = lambda *a: lax.cond(_padded.fits(a[2], rows), dense, kernel, *a)  # noqa: E731
+        larger = kernel
+        if beyond is not None:
+            split = varying_like_inputs(lambda *a: padded(*a, rows, beyond))
+            larger = split if beyond_fits is None else lambda *a: lax.cond(beyond_fits(a[2]), split, kernel, *a)
+        on_gpu = lambda *a: lax.cond(_padded.fits(a[2], rows), dense, larger, *a)  # noqa: E731
     else:
         on_gpu = kernel
     with jax.named_scope(f"grouped_matmul_{name}"):
@@ -320,11 +342,22 @@ def _rows_kernel(plan: Plan):
     return functools.partial(_mosaic.ragged_dot, specialized=plan.rows == "specialized")
 
 
+def _beyond_rows(blocks: Blocks, specialized: bool, **transpose):
+    """jax_ep's row-tile kernel over groups from explicit starts: what the padded path's ``beyond`` takes."""
+
+    def kernel(a, b, sizes, starts):
+        return _mosaic.ragged_dot(a, b, sizes, blocks, specialized=specialized, group_starts=starts, **transpose)
+
+    return kernel
+
+
 def fwd_op(x, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.fwd)
 
-    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=plan.padded_rows("fwd"))
+    beyond = _beyond_rows(plan.fwd, plan.rows == "specialized") if plan.beyond else None
+    rows = plan.padded_rows("fwd")
+    return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=rows, beyond=beyond)
 
 
 def dx_op(dy, w, group_sizes, plan: Plan):
@@ -337,14 +370,21 @@ def dx_op(dy, w, group_sizes, plan: Plan):
     def xla(a, b, c):
         return jnp.where(_rows_below(a.shape[0], c), _xla_dx(a, b, c), 0)
 
-    return _op("dx", plan.dx, xla, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=plan.padded_rows("dx"))
+    beyond = _beyond_rows(plan.dx, plan.rows == "specialized", transpose_rhs=True) if plan.beyond else None
+    rows = plan.padded_rows("dx")
+    return _op("dx", plan.dx, xla, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=rows, beyond=beyond)
 
 
 def dw_op(x, dy, group_sizes, plan: Plan):
-    def mosaic(a, b, c):
-        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.dw_specialized)
+    def mosaic(a, b, c, starts=None):
+        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.dw_specialized, group_starts=starts)
 
-    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, padded=_padded.dw, rows=plan.padded_rows("dw"))
+    rows = plan.padded_rows("dw")
+    padded = functools.partial(_padded.dw, most=BEYOND_GROUPS)
+    beyond = mosaic if plan.beyond else None
+    fits = None if rows is None else functools.partial(_padded.fits_beyond, rows=rows, most=BEYOND_GROUPS)
+    options = dict(padded=padded, rows=rows, beyond=beyond, beyond_fits=fits)
+    return _op("dw", plan.dw, _xla_dw, mosaic, x, dy, group_sizes, **options)
 
 
 # The kernels need a number of rows that is a multiple of 8 (_mosaic_gmm.ROW_MULTIPLE).

@@ -67,11 +67,16 @@ def num_row_tiles(m: int, num_groups: int, block_m: int, align: int = ROW_MULTIP
 
 
 def tile_table(
-    group_sizes: jax.Array, block_m: int, num_tiles: int, align: int = ROW_MULTIPLE
+    group_sizes: jax.Array,
+    block_m: int,
+    num_tiles: int,
+    align: int = ROW_MULTIPLE,
+    starts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """For each of ``num_tiles`` row tiles: its group, first row, first row of the group in it, and rows.
 
-    Group ``g`` (rows ``[start_g, start_g + s_g)``) is covered from ``first_g``, ``start_g`` rounded down
+    Group ``g`` has rows ``[start_g, start_g + s_g)``: laid end to end from row 0, or from ``starts`` (ascending,
+    the groups' rows disjoint). It is covered from ``first_g``, ``start_g`` rounded down
     to a multiple of ``align``: tile ``j`` of the group starts at row ``first_g + j * block_m`` (a multiple
     of ``align`` when ``block_m`` is) and its rows of the group are ``[row + skip, row + skip + rows)``
     (``skip`` is ``start_g - first_g`` for the group's first tile and 0 for the others; ``rows`` is 0 for a
@@ -81,8 +86,12 @@ def tile_table(
     """
     sizes = group_sizes.astype(jnp.int32)
     g = sizes.shape[0]
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
+    if starts is None:
+        ends = jnp.cumsum(sizes)
+        starts = ends - sizes
+    else:
+        starts = starts.astype(jnp.int32)
+        ends = starts + sizes
     firsts = starts // align * align
     tiles = jnp.where(sizes > 0, (starts - firsts + sizes + block_m - 1) // block_m, 0)
     tile_ends = jnp.cumsum(tiles)
@@ -98,9 +107,10 @@ def tile_table(
     return gc, jnp.where(valid, row, 0), skip.astype(jnp.int32), rows.astype(jnp.int32)
 
 
-def _row_tiles(name: str, lhs, rhs, group_sizes, blocks: Blocks, transpose_rhs: bool):
+def _row_tiles(name: str, lhs, rhs, group_sizes, blocks: Blocks, transpose_rhs: bool, starts=None):
     """The shapes of ``lhs [M, K] x rhs [G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``), checked for ``blocks``,
-    and the tile table: ``(M, K, N, row tiles, column tiles, (group, row, skip, rows) per row tile)``."""
+    and the tile table (of groups from ``starts`` where given): ``(M, K, N, row tiles, column tiles, (group, row,
+    skip, rows) per row tile)``."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n, k2 = (rhs.shape[1], rhs.shape[2]) if transpose_rhs else (rhs.shape[2], rhs.shape[1])
@@ -108,7 +118,7 @@ def _row_tiles(name: str, lhs, rhs, group_sizes, blocks: Blocks, transpose_rhs: 
         raise ValueError(f"{name}: bad shapes {lhs.shape} {lhs.dtype} x {rhs.shape} {rhs.dtype} for {blocks}")
     _check_rows(name, m)
     grid_m = num_row_tiles(m, g, blocks.block_m)
-    return m, k, n, grid_m, n // blocks.block_n, tile_table(group_sizes, blocks.block_m, grid_m)
+    return m, k, n, grid_m, n // blocks.block_n, tile_table(group_sizes, blocks.block_m, grid_m, starts=starts)
 
 
 def _copy_rows(count, start, largest: int, copy) -> None:
@@ -167,11 +177,13 @@ def ragged_dot(
     *,
     transpose_rhs: bool = False,
     specialized: bool = False,
+    group_starts: jax.Array | None = None,
 ) -> jax.Array:
-    """``out[r] = lhs[r] @ rhs[g(r)]`` for the rows ``r`` of each group; rows past the groups are not written.
+    """``out[r] = lhs[r] @ rhs[g(r)]`` for the rows ``r`` of each group; rows outside the groups are not written.
 
     ``lhs [M, K]``, ``rhs [G, K, N]`` (or ``[G, N, K]`` with ``transpose_rhs``), same 16-bit dtype;
     ``M % ROW_MULTIPLE == 0``, ``K % block_k == 0``, ``N % block_n == 0``, ``block_m % ROW_MULTIPLE == 0``.
+    The groups lie end to end from row 0, or from ``group_starts`` (ascending, their rows disjoint and in ``lhs``).
 
     ``specialized``: warp specialization. One warpgroup loads both operands with TMA; two compute warpgroups
     each multiply half of the tile's ``block_n`` columns and store them through shared memory in tiles of
@@ -180,7 +192,9 @@ def ragged_dot(
     """
     if specialized and (blocks.block_m % EPILOGUE_TILE or blocks.block_n % (2 * EPILOGUE_TILE)):
         raise ValueError(f"ragged_dot: {blocks}: block_m and block_n / 2 must be multiples of {EPILOGUE_TILE}")
-    m, k, n, grid_m, grid_n, tiles = _row_tiles("ragged_dot", lhs, rhs, group_sizes, blocks, transpose_rhs)
+    m, k, n, grid_m, grid_n, tiles = _row_tiles(
+        "ragged_dot", lhs, rhs, group_sizes, blocks, transpose_rhs, starts=group_starts
+    )
     make = _specialized_kernel if specialized else _pipelined_kernel
     return make(m, k, n, grid_m, grid_n, blocks, transpose_rhs, lhs.dtype)(*tiles, lhs, rhs)
 
@@ -364,11 +378,18 @@ def upstream_ragged_dot(
 
 
 def transposed_ragged_dot(
-    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, blocks: Blocks, *, specialized: bool = False
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    blocks: Blocks,
+    *,
+    specialized: bool = False,
+    group_starts: jax.Array | None = None,
 ) -> jax.Array:
     """``out[g] = lhs[rows of g].T @ rhs[rows of g]``: ``lhs [R, M]``, ``rhs [R, N]`` -> ``[G, M, N]``.
 
-    Rows outside a group never reach its output, whatever they hold (NaN included); empty groups give 0.
+    The groups lie end to end from row 0, or from ``group_starts`` (within the rows). Rows outside a group never
+    reach its output, whatever they hold (NaN included); empty groups give 0.
     ``R % ROW_MULTIPLE == 0``, ``M % block_m == 0``, ``N % block_n == 0``; the rows are split in blocks of
     ``block_k``, a multiple of 64
     (the masks are wgmma-layout registers, 64 rows per warpgroup).
@@ -388,8 +409,12 @@ def transposed_ragged_dot(
         )
     _check_rows("transposed_ragged_dot", r)
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
+    if group_starts is None:
+        ends = jnp.cumsum(sizes)
+        starts = ends - sizes
+    else:
+        starts = group_starts.astype(jnp.int32)
+        ends = starts + sizes
     block_starts = starts // bk * bk
     num_blocks = ((ends + bk - 1) // bk * bk - block_starts) // bk
     make = _transposed_specialized_kernel if specialized else _transposed_pipelined_kernel

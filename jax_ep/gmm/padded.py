@@ -73,39 +73,66 @@ def _starts(group_sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(group_sizes) - group_sizes
 
 
-def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+def pad(a: jax.Array, group_sizes: jax.Array, rows: int, *, starts: jax.Array | None = None) -> jax.Array:
     """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group.
 
-    No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
-    does. On CUDA a Pallas Triton kernel (:mod:`jax_ep.gmm.row_copies`), elsewhere XLA's gather and a select.
+    ``starts``: each group's first row; None: the groups lie end to end from row 0. No row outside a group
+    (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never does. On CUDA a Pallas
+    Triton kernel (:mod:`jax_ep.gmm.row_copies`), elsewhere XLA's gather and a select.
     """
+    starts = _starts(group_sizes) if starts is None else starts
     return _row_copy(
-        lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
-        lambda a, s: _xla_pad(a, s, rows),
+        lambda a, s, starts: _row_copies.pad(a, starts, s, rows),
+        lambda a, s, starts: _xla_pad(a, s, rows, starts),
         a,
         group_sizes,
+        starts,
         shapes=(a.shape, (group_sizes.shape[0], rows, a.shape[1])),
     )
 
 
-def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int, starts: jax.Array | None = None) -> jax.Array:
+    starts = _starts(group_sizes) if starts is None else starts
     c = jnp.arange(rows, dtype=jnp.int32)[None, :]
-    src = jnp.clip(_starts(group_sizes)[:, None] + c, 0, a.shape[0] - 1)
+    src = jnp.clip(starts[:, None] + c, 0, a.shape[0] - 1)
     gathered = jnp.take(a, src.reshape(-1), axis=0).reshape(group_sizes.shape[0], rows, a.shape[1])
     return jnp.where((c < group_sizes[:, None])[..., None], gathered, 0)
 
 
-def unpad(p: jax.Array, group_sizes: jax.Array, m: int, plus: jax.Array | None = None) -> jax.Array:
-    """``[G, C, D]`` back to ``[m, D]`` ragged rows; rows past ``sum(group_sizes)`` are 0. With ``plus`` (``p``'s shape
-    and dtype) the rows of ``p + plus``, summed in float32 as they are copied."""
-    return _row_copy(
-        lambda p, s, *plus: _row_copies.unpad(p, _starts(s), s, m, *plus),
-        lambda p, s, *plus: _xla_unpad(summed(p, *plus), s, m),
-        p,
-        group_sizes,
-        *(() if plus is None else (plus,)),
-        shapes=(p.shape, (m, p.shape[2])),
-    )
+def unpad(
+    p: jax.Array,
+    group_sizes: jax.Array,
+    m: int,
+    plus: jax.Array | None = None,
+    *,
+    starts: jax.Array | None = None,
+    into: jax.Array | None = None,
+    total: jax.Array | None = None,
+) -> jax.Array:
+    """``[G, C, D]`` back to ``[m, D]`` ragged rows: row ``start_g + c`` is ``p[g, c]`` for ``c < min(size_g, C)``.
+    With ``plus`` (``p``'s shape and dtype) the rows of ``p + plus``, summed in float32 as they are copied.
+
+    ``starts``: each group's first row, ascending; None: the groups lie end to end from row 0. The other rows are
+    ``into``'s (an ``[m, D]`` array in ``p``'s dtype, updated in place on CUDA), or 0 without it, and rows from
+    ``total`` on (default ``sum(group_sizes)``) are 0.
+    """
+    starts = _starts(group_sizes) if starts is None else starts
+    total = jnp.sum(group_sizes) if total is None else total
+    optional = [a for a in (into, plus) if a is not None]
+
+    def split(rest):  # into and plus back from the arguments that _row_copy passes on
+        rest = list(rest)
+        return (rest.pop(0) if into is not None else None), (rest.pop(0) if plus is not None else None)
+
+    def kernel(p, s, starts, total, *rest):
+        base, add = split(rest)
+        return _row_copies.unpad(p, starts, s, m, add, into=base, total=total)
+
+    def xla(p, s, starts, total, *rest):
+        base, add = split(rest)
+        return _xla_unpad(summed(p, add), s, m, starts, base, total)
+
+    return _row_copy(kernel, xla, p, group_sizes, starts, total, *optional, shapes=(p.shape, (m, p.shape[2])))
 
 
 def summed(p: jax.Array, plus: jax.Array | None = None) -> jax.Array:
@@ -113,15 +140,25 @@ def summed(p: jax.Array, plus: jax.Array | None = None) -> jax.Array:
     return p if plus is None else (p.astype(jnp.float32) + plus).astype(p.dtype)
 
 
-def _xla_unpad(p: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
+def _xla_unpad(
+    p: jax.Array,
+    group_sizes: jax.Array,
+    m: int,
+    starts: jax.Array | None = None,
+    into: jax.Array | None = None,
+    total: jax.Array | None = None,
+) -> jax.Array:
     g, rows, d = p.shape
+    starts = _starts(group_sizes) if starts is None else starts
+    total = jnp.sum(group_sizes) if total is None else total
     r = jnp.arange(m, dtype=jnp.int32)
-    ends = jnp.cumsum(group_sizes)
-    group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # the group of row r, G past the groups
-    held = group < g
-    group = jnp.minimum(group, g - 1)
-    index = group * rows + jnp.clip(r - (ends[group] - group_sizes[group]), 0, rows - 1)
-    return jnp.where(held[:, None], jnp.take(p.reshape(g * rows, d), index, axis=0), 0)
+    # The last group that starts at or before row r (of empty groups at one start, the last: the one that may hold r).
+    group = jnp.maximum(jnp.searchsorted(starts, r, side="right").astype(jnp.int32) - 1, 0)
+    offset = r - starts[group]
+    held = (offset >= 0) & (offset < jnp.minimum(group_sizes[group], rows)) & (r < total)
+    index = group * rows + jnp.clip(offset, 0, rows - 1)
+    other = 0 if into is None else jnp.where((r < total)[:, None], into, 0)
+    return jnp.where(held[:, None], jnp.take(p.reshape(g * rows, d), index, axis=0), other)
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -141,18 +178,49 @@ def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
     return _row_copy(lambda a, first: _row_copies.zero_rows_from(a, first), select, a, first, shapes=(a.shape,))
 
 
-def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
-    """``ragged_dot(x, w, group_sizes)``, 0 past ``sum(group_sizes)``."""
+def fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int, beyond=None) -> jax.Array:
+    """``ragged_dot(x, w, group_sizes)``, 0 past ``sum(group_sizes)``.
+
+    Every group must have at most ``rows`` rows, unless ``beyond`` is given: ``beyond(x, w, sizes, starts)``, a
+    grouped matmul of the groups of ``sizes`` rows from ``starts`` that writes only those rows, computes the rows
+    of each group past its first ``rows`` (:func:`rows_beyond`).
+    """
     y = einsum("gck,gkn->gcn", pad(x, group_sizes, rows), w)
-    return unpad(y, group_sizes, x.shape[0])
+    into = None if beyond is None else beyond(x, w, *rows_beyond(group_sizes, rows, x.shape[0]))
+    return unpad(y, group_sizes, x.shape[0], into=into)
 
 
-def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
-    """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``."""
+def dx(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int, beyond=None) -> jax.Array:
+    """``ragged_dot(dy, w^T, group_sizes)``, 0 past ``sum(group_sizes)``; ``beyond`` as :func:`fwd`'s (for ``dy``
+    and ``w^T``)."""
     d = einsum("gcn,gkn->gck", pad(dy, group_sizes, rows), w)
-    return unpad(d, group_sizes, dy.shape[0])
+    into = None if beyond is None else beyond(dy, w, *rows_beyond(group_sizes, rows, dy.shape[0]))
+    return unpad(d, group_sizes, dy.shape[0], into=into)
 
 
-def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
-    """``dw[g] = x_g^T dy_g`` over each group's rows (``[G, K, N]``; 0 for an empty group)."""
-    return einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))
+def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int, beyond=None, most: int = 0) -> jax.Array:
+    """``dw[g] = x_g^T dy_g`` over each group's rows (``[G, K, N]``; 0 for an empty group).
+
+    Every group must have at most ``rows`` rows, unless ``beyond`` is given and at most ``most`` groups have more
+    (:func:`fits_beyond`): ``beyond(x, dy, sizes, starts)``, a transposed grouped matmul of the groups of
+    ``sizes`` rows from ``starts``, then computes those groups whole (one float32 sum, one rounding, as every
+    group's), and their results replace the padded ones.
+    """
+    d = einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))
+    if beyond is None:
+        return d
+    g = group_sizes.shape[0]
+    _, largest = lax.top_k(group_sizes, min(most, g))
+    larger = group_sizes[largest] > rows
+    whole = beyond(x, dy, jnp.where(larger, group_sizes[largest], 0), _starts(group_sizes)[largest])
+    return d.at[jnp.where(larger, largest, g)].set(whole.astype(d.dtype), mode="drop")
+
+
+def rows_beyond(group_sizes: jax.Array, rows: int, m: int) -> tuple[jax.Array, jax.Array]:
+    """Each group's rows past its first ``rows``: their number and first row (at most ``m``, ascending)."""
+    return jnp.maximum(group_sizes - rows, 0), jnp.minimum(_starts(group_sizes) + rows, m)
+
+
+def fits_beyond(group_sizes: jax.Array, rows: int, most: int) -> jax.Array:
+    """Whether at most ``most`` groups have more than ``rows`` rows (a scalar bool): :func:`dw` with ``beyond``."""
+    return jnp.sum(group_sizes > rows) <= most

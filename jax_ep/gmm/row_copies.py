@@ -60,11 +60,16 @@ def _tile(d: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array
     return group, cb, db, c, col
 
 
-def _over_groups(kernel, shape: tuple[int, ...], g: int, rows: int, d: int, name: str, *args: jax.Array):
-    """``kernel`` on a grid of (group, block of ``rows``, block of ``d`` columns), with an output of ``shape``."""
+def _over_groups(
+    kernel, shape: tuple[int, ...], g: int, rows: int, d: int, name: str, *args: jax.Array, aliases: dict | None = None
+):
+    """``kernel`` on a grid of (group, block of ``rows``, block of ``d`` columns), with an output of ``shape`` (the
+    buffer of an argument where ``aliases`` say so, as ``pallas_call``'s ``input_output_aliases``)."""
     out, args = _out(shape, *args)
     grid = (g, pl.cdiv(rows, BLOCK_ROWS), pl.cdiv(d, _cols(d)))
-    return pl.pallas_call(kernel, out_shape=out, grid=grid, compiler_params=_PARAMS, name=name)(*args)
+    return pl.pallas_call(
+        kernel, out_shape=out, grid=grid, input_output_aliases=aliases or {}, compiler_params=_PARAMS, name=name
+    )(*args)
 
 
 def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
@@ -85,14 +90,27 @@ def pad(a: jax.Array, starts: jax.Array, sizes: jax.Array, rows: int) -> jax.Arr
     return _over_groups(kernel, (g, rows, d), g, rows, d, "jax_ep_pad_rows", starts, sizes, a)
 
 
-def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int, plus: jax.Array | None = None) -> jax.Array:
+def unpad(
+    p: jax.Array,
+    starts: jax.Array,
+    sizes: jax.Array,
+    m: int,
+    plus: jax.Array | None = None,
+    *,
+    into: jax.Array | None = None,
+    total: jax.Array | None = None,
+) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]``: row ``starts[g] + c`` is ``p[g, c]`` (``p[g, c] + plus[g, c]`` in float32 with
-    ``plus``) for ``c < sizes[g]``; the rows past the last group are 0."""
+    ``plus``) for ``c < min(sizes[g], C)``; rows from ``total`` on (default ``sum(sizes)``) are 0. The other rows are
+    ``into``'s (``[m, D]``, ``p``'s dtype; the output takes its buffer), or unspecified without it."""
     g, rows, d = p.shape
     bc, bd = BLOCK_ROWS, _cols(d)
 
-    def kernel(starts_ref, sizes_ref, p_ref, *refs):
-        *plus_ref, o_ref = refs
+    def kernel(starts_ref, sizes_ref, *refs):
+        refs = list(refs)
+        if into is not None:
+            refs.pop(0)  # aliased to o_ref: its rows that no group writes stay
+        p_ref, *plus_ref, o_ref = refs
         group, cb, db, c, col = _tile(d)
         start = starts_ref[group]
         held = _rows_within(c, jnp.minimum(sizes_ref[group], rows), start + c, m)
@@ -103,9 +121,10 @@ def unpad(p: jax.Array, starts: jax.Array, sizes: jax.Array, m: int, plus: jax.A
             values = (values.astype(jnp.float32) + plt.load(plus_ref[0].at[block], mask=mask, other=0)).astype(p.dtype)
         plt.store(o_ref.at[pl.ds(start + cb * bc, bc), pl.ds(db * bd, bd)], values, mask=mask)
 
-    operands = (p,) if plus is None else (p, plus)
-    out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, *operands)
-    return zero_rows_from(out, jnp.sum(sizes))
+    operands = [a for a in (into, p, plus) if a is not None]
+    aliases = None if into is None else {2: 0}  # into, after starts and sizes
+    out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, *operands, aliases=aliases)
+    return zero_rows_from(out, jnp.sum(sizes) if total is None else total)
 
 
 def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
