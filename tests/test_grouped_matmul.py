@@ -259,10 +259,10 @@ def fake_kernels(monkeypatch, seen):
     monkeypatch.setattr(gm.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     rc = padded._row_copies
     if rc is not None:  # None with a jax without Pallas Triton: the copies are XLA's already
-        monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows, starts))
+        monkeypatch.setattr(rc, "pad", lambda a, starts, sizes, rows: padded._xla_pad(a, sizes, rows))
 
-        def unpad(p, starts, sizes, m, plus=None, *, into=None, total=None):
-            return padded._xla_unpad(padded.summed(p, plus), sizes, m, starts, into, total)
+        def unpad(p, starts, sizes, m, plus=None, *, into=None):
+            return padded._xla_unpad(padded.summed(p, plus), sizes, m, starts, into)
 
         monkeypatch.setattr(rc, "unpad", unpad)
         zero = lambda a, first: jnp.where(jnp.arange(a.shape[0])[:, None] < first, a, 0)  # noqa: E731

@@ -73,28 +73,25 @@ def _starts(group_sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(group_sizes) - group_sizes
 
 
-def pad(a: jax.Array, group_sizes: jax.Array, rows: int, *, starts: jax.Array | None = None) -> jax.Array:
-    """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group.
+def pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+    """``[M, D]`` ragged rows to ``[G, rows, D]``: row ``c`` of group ``g`` is ``a[start_g + c]``, or 0 past the group
+    (a group of more rows gives its first ``rows``).
 
-    ``starts``: each group's first row; None: the groups lie end to end from row 0. No row outside a group
-    (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never does. On CUDA a Pallas
-    Triton kernel (:mod:`jax_ep.gmm.row_copies`), elsewhere XLA's gather and a select.
+    No row outside a group (another group's, or past ``sum(group_sizes)``) enters it, so NaN or Inf there never
+    does. On CUDA a Pallas Triton kernel (:mod:`jax_ep.gmm.row_copies`), elsewhere XLA's gather and a select.
     """
-    starts = _starts(group_sizes) if starts is None else starts
     return _row_copy(
-        lambda a, s, starts: _row_copies.pad(a, starts, s, rows),
-        lambda a, s, starts: _xla_pad(a, s, rows, starts),
+        lambda a, s: _row_copies.pad(a, _starts(s), s, rows),
+        lambda a, s: _xla_pad(a, s, rows),
         a,
         group_sizes,
-        starts,
         shapes=(a.shape, (group_sizes.shape[0], rows, a.shape[1])),
     )
 
 
-def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int, starts: jax.Array | None = None) -> jax.Array:
-    starts = _starts(group_sizes) if starts is None else starts
+def _xla_pad(a: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
     c = jnp.arange(rows, dtype=jnp.int32)[None, :]
-    src = jnp.clip(starts[:, None] + c, 0, a.shape[0] - 1)
+    src = jnp.clip(_starts(group_sizes)[:, None] + c, 0, a.shape[0] - 1)
     gathered = jnp.take(a, src.reshape(-1), axis=0).reshape(group_sizes.shape[0], rows, a.shape[1])
     return jnp.where((c < group_sizes[:, None])[..., None], gathered, 0)
 
@@ -105,34 +102,28 @@ def unpad(
     m: int,
     plus: jax.Array | None = None,
     *,
-    starts: jax.Array | None = None,
     into: jax.Array | None = None,
-    total: jax.Array | None = None,
 ) -> jax.Array:
-    """``[G, C, D]`` back to ``[m, D]`` ragged rows: row ``start_g + c`` is ``p[g, c]`` for ``c < min(size_g, C)``.
-    With ``plus`` (``p``'s shape and dtype) the rows of ``p + plus``, summed in float32 as they are copied.
-
-    ``starts``: each group's first row, ascending; None: the groups lie end to end from row 0. The other rows are
-    ``into``'s (an ``[m, D]`` array in ``p``'s dtype, updated in place on CUDA), or 0 without it, and rows from
-    ``total`` on (default ``sum(group_sizes)``) are 0.
+    """``[G, C, D]`` back to ``[m, D]`` ragged rows: row ``start_g + c`` is ``p[g, c]`` for ``c < min(size_g, C)``,
+    rows past ``sum(group_sizes)`` are 0. With ``plus`` (``p``'s shape and dtype) the rows of ``p + plus``, summed in
+    float32 as they are copied. The other rows (of groups larger than ``C``) are ``into``'s (an ``[m, D]`` array in
+    ``p``'s dtype, updated in place on CUDA), or 0 without it.
     """
-    starts = _starts(group_sizes) if starts is None else starts
-    total = jnp.sum(group_sizes) if total is None else total
     optional = [a for a in (into, plus) if a is not None]
 
     def split(rest):  # into and plus back from the arguments that _row_copy passes on
         rest = list(rest)
         return (rest.pop(0) if into is not None else None), (rest.pop(0) if plus is not None else None)
 
-    def kernel(p, s, starts, total, *rest):
+    def kernel(p, s, *rest):
         base, add = split(rest)
-        return _row_copies.unpad(p, starts, s, m, add, into=base, total=total)
+        return _row_copies.unpad(p, _starts(s), s, m, add, into=base)
 
-    def xla(p, s, starts, total, *rest):
+    def xla(p, s, *rest):
         base, add = split(rest)
-        return _xla_unpad(summed(p, add), s, m, starts, base, total)
+        return _xla_unpad(summed(p, add), s, m, into=base)
 
-    return _row_copy(kernel, xla, p, group_sizes, starts, total, *optional, shapes=(p.shape, (m, p.shape[2])))
+    return _row_copy(kernel, xla, p, group_sizes, *optional, shapes=(p.shape, (m, p.shape[2])))
 
 
 def summed(p: jax.Array, plus: jax.Array | None = None) -> jax.Array:
@@ -146,11 +137,10 @@ def _xla_unpad(
     m: int,
     starts: jax.Array | None = None,
     into: jax.Array | None = None,
-    total: jax.Array | None = None,
 ) -> jax.Array:
     g, rows, d = p.shape
     starts = _starts(group_sizes) if starts is None else starts
-    total = jnp.sum(group_sizes) if total is None else total
+    total = jnp.sum(group_sizes)
     r = jnp.arange(m, dtype=jnp.int32)
     # The last group that starts at or before row r (of empty groups at one start, the last: the one that may hold r).
     group = jnp.maximum(jnp.searchsorted(starts, r, side="right").astype(jnp.int32) - 1, 0)
@@ -209,6 +199,8 @@ def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int, beyond=No
     d = einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))
     if beyond is None:
         return d
+    if most < 1:
+        raise ValueError(f"jax_ep.gmm.padded.dw: beyond needs most >= 1, got {most}")
     g = group_sizes.shape[0]
     _, largest = lax.top_k(group_sizes, min(most, g))
     larger = group_sizes[largest] > rows

@@ -98,11 +98,10 @@ def unpad(
     plus: jax.Array | None = None,
     *,
     into: jax.Array | None = None,
-    total: jax.Array | None = None,
 ) -> jax.Array:
     """``[G, C, D]`` back to ``[m, D]``: row ``starts[g] + c`` is ``p[g, c]`` (``p[g, c] + plus[g, c]`` in float32 with
-    ``plus``) for ``c < min(sizes[g], C)``; rows from ``total`` on (default ``sum(sizes)``) are 0. The other rows are
-    ``into``'s (``[m, D]``, ``p``'s dtype; the output takes its buffer), or unspecified without it."""
+    ``plus``) for ``c < min(sizes[g], C)``; rows past ``sum(sizes)`` are 0. The other rows are ``into``'s (``[m, D]``,
+    ``p``'s dtype; the output takes its buffer), or unspecified without it."""
     g, rows, d = p.shape
     bc, bd = BLOCK_ROWS, _cols(d)
 
@@ -124,7 +123,7 @@ def unpad(
     operands = [a for a in (into, p, plus) if a is not None]
     aliases = None if into is None else {2: 0}  # into, after starts and sizes
     out = _over_groups(kernel, (m, d), g, rows, d, "jax_ep_unpad_rows", starts, sizes, *operands, aliases=aliases)
-    return zero_rows_from(out, jnp.sum(sizes) if total is None else total)
+    return zero_rows_from(out, jnp.sum(sizes))
 
 
 def zero_rows_from(a: jax.Array, first: jax.Array) -> jax.Array:
