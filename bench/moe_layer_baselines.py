@@ -131,16 +131,19 @@ def skewed_tokens(x, w_router, topk: int, target: float, steps: int = 24):
     def shifted(shift):
         return (x.astype(jnp.float32) + shift * direction).astype(x.dtype)
 
+    def skew(shift):
+        return load(shifted(shift), w_router, topk)["max_over_mean"]
+
     lo, hi = 0.0, 1.0
-    while load(shifted(hi), w_router, topk)["max_over_mean"] < target:
+    while (reached := skew(hi)) < target:
         if hi > 1e3:
-            reached = load(shifted(hi), w_router, topk)["max_over_mean"]
             raise ValueError(f"skew {target}: shifting the tokens by up to {hi:g} reached {reached:.2f} only")
         lo, hi = hi, 2 * hi
     for _ in range(steps):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if load(shifted(mid), w_router, topk)["max_over_mean"] < target else (lo, mid)
-    return shifted(hi), {"shift": hi, **load(shifted(hi), w_router, topk)}
+        lo, hi = (mid, hi) if skew(mid) < target else (lo, mid)
+    tokens = shifted(hi)
+    return tokens, {"shift": hi, **load(tokens, w_router, topk)}
 
 
 def dense_floor(x, w_gate, w_in, w_out):

@@ -66,6 +66,15 @@ def num_row_tiles(m: int, num_groups: int, block_m: int, align: int = ROW_MULTIP
     return pl.cdiv(m + (align - 1) * num_groups, block_m) + num_groups
 
 
+def group_bounds(sizes: jax.Array, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each group's first row and the row past its last (int32): from ``starts``, or laid end to end from row 0."""
+    if starts is None:
+        ends = jnp.cumsum(sizes)
+        return ends - sizes, ends
+    starts = starts.astype(jnp.int32)
+    return starts, starts + sizes
+
+
 def tile_table(
     group_sizes: jax.Array,
     block_m: int,
@@ -86,12 +95,7 @@ def tile_table(
     """
     sizes = group_sizes.astype(jnp.int32)
     g = sizes.shape[0]
-    if starts is None:
-        ends = jnp.cumsum(sizes)
-        starts = ends - sizes
-    else:
-        starts = starts.astype(jnp.int32)
-        ends = starts + sizes
+    starts, ends = group_bounds(sizes, starts)
     firsts = starts // align * align
     tiles = jnp.where(sizes > 0, (starts - firsts + sizes + block_m - 1) // block_m, 0)
     tile_ends = jnp.cumsum(tiles)
@@ -409,12 +413,7 @@ def transposed_ragged_dot(
         )
     _check_rows("transposed_ragged_dot", r)
     sizes = group_sizes.astype(jnp.int32)
-    if group_starts is None:
-        ends = jnp.cumsum(sizes)
-        starts = ends - sizes
-    else:
-        starts = group_starts.astype(jnp.int32)
-        ends = starts + sizes
+    starts, ends = group_bounds(sizes, group_starts)
     block_starts = starts // bk * bk
     num_blocks = ((ends + bk - 1) // bk * bk - block_starts) // bk
     make = _transposed_specialized_kernel if specialized else _transposed_pipelined_kernel
