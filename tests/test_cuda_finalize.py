@@ -6,6 +6,7 @@ The case runs in a fresh process, under ``compute-sanitizer --tool memcheck`` wh
 ``python -m tests.test_cuda_finalize`` from the checkout.
 """
 
+import faulthandler
 import os
 import shutil
 import subprocess
@@ -38,8 +39,13 @@ def _step(backend: str):
     return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
 
 
+HANG_S = 150  # a case still running after this long prints every thread's stack and exits
+
+
 def main() -> None:
     import jax_ep
+
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
 
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
     jax_ep.initialize(mesh, "ep", num_tokens=TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS)
@@ -65,6 +71,7 @@ def main() -> None:
             print(f"a call after finalize failed as expected: {str(error)[:200]}", flush=True)
         else:
             raise AssertionError("a call after finalize ran")
+    faulthandler.cancel_dump_traceback_later()
     print("OK", flush=True)
 
 
@@ -76,7 +83,7 @@ def test_finalize_right_after_steps_that_were_never_waited_for():
     if sanitizer:
         command = [sanitizer, "--tool", "memcheck", "--kernel-name", "kns=jax_ep", "--error-exitcode", "3", *command]
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=checkout_env(env))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S + 60, env=checkout_env(env))
     print(" ".join(command), "\n", done.stdout[-6000:], done.stderr[-4000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     assert f"{STEPS} steps dispatched before finalize match backend xla" in done.stdout
