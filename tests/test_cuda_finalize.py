@@ -12,6 +12,7 @@ one run and did not end within 40 s in another: not yet explained. Run it by han
 import faulthandler
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ HANG_S = 150  # a case still running after this long prints every thread's stack
 def main() -> None:
     import jax_ep
 
+    faulthandler.enable()  # a crash prints every thread's Python stack
     faulthandler.dump_traceback_later(HANG_S, exit=True)
 
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
@@ -87,12 +89,25 @@ def _case(command: list[str], xla_flags: str = "") -> str:
     if xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     command = [*command, sys.executable, "-m", "tests.test_cuda_finalize"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_S + 60, env=checkout_env(env))
-    output = done.stdout[-6000:] + done.stderr[-4000:]
+    # A session of its own: on a timeout the whole of it goes, the Python child under compute-sanitizer too.
+    child = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=checkout_env(env),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = child.communicate(timeout=HANG_S + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+    output = stdout[-6000:] + stderr[-4000:]
     print(" ".join(command), xla_flags, "\n", output)
-    assert done.returncode == 0, output
-    assert f"{STEPS} steps dispatched before finalize match backend xla" in done.stdout, output
-    assert "a call after finalize failed as expected" in done.stdout, output
+    assert child.returncode == 0, output
+    assert f"{STEPS} steps dispatched before finalize match backend xla" in stdout, output
+    assert "a call after finalize failed as expected" in stdout, output
     return output
 
 

@@ -109,10 +109,11 @@ ffi::ErrorOr<std::unique_ptr<GroupState>> Instantiate(ffi::Dictionary attrs) {
 }
 
 // This GPU's part of the group, after checking that the group is live and has recorded no failure, and the lock
-// that keeps it live (Group::LockLaunches) until the handler returns, its launches made.
+// that keeps it live (Group::LockLaunches) until the handler returns, its launches made. The lock comes first, so
+// it is released last: Group::Release cannot make this handler drop the last reference to the device's memory.
 struct LaunchTarget {
-  std::shared_ptr<const DeviceResources> device;
   std::shared_lock<std::shared_mutex> lock;
+  std::shared_ptr<const DeviceResources> device;
   GroupView view;
   NcclSwap swap;
 };
@@ -139,7 +140,7 @@ ffi::ErrorOr<LaunchTarget> FindDevice(const char* op, cudaStream_t stream, int32
     return device->nccl->Swap(region_bytes, stream);
   };
   GroupView view = device->View();
-  return LaunchTarget{std::move(device), std::move(lock), view, std::move(swap)};
+  return LaunchTarget{std::move(lock), std::move(device), view, std::move(swap)};
 }
 
 // The float type of rows of XLA type `type`.
