@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,21 @@ def checkout_env(env: Mapping[str, str]) -> dict[str, str]:
     first on PYTHONPATH (bench/device_run_one_gpu.sh) stays first."""
     paths = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
     return {**env, "PYTHONPATH": os.pathsep.join([*paths, str(ROOT)])}
+
+
+def run_session(command: list[str], timeout: float, env: Mapping[str, str]) -> tuple[int | None, str, str]:
+    """Runs ``command`` in a session of its own: its exit code (None once ``timeout`` seconds pass, when the whole
+    session is killed, a program run under a wrapper such as compute-sanitizer too), stdout and stderr."""
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), start_new_session=True
+    )
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+        return child.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        return None, stdout, stderr
 
 
 def run_workers(

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.multiprocess import run_session
+
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 CASES = [  # layout, dtype, hidden, capacity, alignment
     ("ragged", "float32", 256, None, 4),
@@ -118,12 +120,8 @@ def run_tool(tool: str, timeout: float) -> dict:
     command = ["compute-sanitizer", "--tool", tool, *only_ours, "--print-limit", "1000000", "--error-exitcode", "17"]
     command += [sys.executable, "-m", "bench.sanitize", "probe"]
     start = time.time()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
-        output, status = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as err:
-        output = (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
-        status = None
+    status, stdout, stderr = run_session(command, timeout, os.environ)
+    output = stdout + stderr
     # "ERROR SUMMARY: 0 errors" (memcheck, synccheck, initcheck); "SUMMARY: 0 hazards displayed (0 errors," (racecheck)
     summary = re.findall(r"SUMMARY:.*?(\d+) errors?", output)
     lines = [line for line in output.splitlines() if "@ 0x" not in line]

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -681,3 +682,18 @@ def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
     for row in rows:
         assert {"moe", "dense", "sort_jax_ep"} <= set(row["ms"]) and min(row["ms"].values()) > 0
     assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
+
+
+def test_run_session_returns_the_exit_code_and_kills_the_whole_session_on_timeout(tmp_path):
+    """bench/multiprocess.py's run_session: the exit code and both outputs; past its timeout, None, and no process
+    of the session lives on (a child of the command, as Python is of compute-sanitizer, included)."""
+    from bench.multiprocess import run_session
+
+    assert run_session(["bash", "-c", "echo out; echo err >&2; exit 3"], 30, os.environ) == (3, "out\n", "err\n")
+    marker = tmp_path / "outlived"
+    status, stdout, _ = run_session(
+        ["bash", "-c", f"echo started; (sleep 3; touch {marker}) & sleep 60"], 1, os.environ
+    )
+    assert (status, stdout) == (None, "started\n")
+    time.sleep(4)
+    assert not marker.exists()

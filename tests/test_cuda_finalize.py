@@ -3,17 +3,14 @@ steps finish as they would have (their results match backend "xla"), a call afte
 says so, and compute-sanitizer's memcheck finds no access of jax_ep's kernels to memory finalize freed.
 
 The case runs in fresh processes: once as a user runs it (XLA's command buffers on), and, where compute-sanitizer
-is found, once more under its memcheck with XLA's command buffers off. On one H100 at 94b527c the case passed in 6 s
-without the sanitizer, while under memcheck with command buffers on it crashed right after finalize (exit 139) in
-one run and did not end within 40 s in another: not yet explained. Run it by hand with
+is found, once more under its memcheck with XLA's command buffers off (with them on, memcheck crashed after finalize
+on one H100: docs/cuda_backend.md, "What finalize guarantees"). Run it by hand with
 ``python -m tests.test_cuda_finalize`` from the checkout.
 """
 
 import faulthandler
 import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import jax
@@ -83,29 +80,16 @@ def main() -> None:
 
 def _case(command: list[str], xla_flags: str = "") -> str:
     """Runs the case in a fresh process (``command`` before ``python -m``); its output, after checking it passed."""
-    from bench.multiprocess import checkout_env
+    from bench.multiprocess import checkout_env, run_session
 
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
     if xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     command = [*command, sys.executable, "-m", "tests.test_cuda_finalize"]
-    # A session of its own: on a timeout the whole of it goes, the Python child under compute-sanitizer too.
-    child = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=checkout_env(env),
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = child.communicate(timeout=HANG_S + 60)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        stdout, stderr = child.communicate()
+    status, stdout, stderr = run_session(command, HANG_S + 60, checkout_env(env))
     output = stdout[-6000:] + stderr[-4000:]
     print(" ".join(command), xla_flags, "\n", output)
-    assert child.returncode == 0, output
+    assert status == 0, output
     assert f"{STEPS} steps dispatched before finalize match backend xla" in stdout, output
     assert "a call after finalize failed as expected" in stdout, output
     return output
