@@ -224,11 +224,12 @@ class Group:
         """Release the group's memory (collective across processes); compiled computations must not run again.
 
         It first waits for every computation whose results are still alive on the group's GPUs, so that steps
-        issued before it, and not waited for, finish as they would have. A jax_ep call whose handler XLA runs after
-        it fails with an error that says the group was finalized; a call replayed from a command buffer recorded
-        before runs no handler, so computations compiled before must not run again. The memory goes once every
-        kernel already launched has finished, and in several processes, once every process has stopped reading
-        its peers' memory.
+        issued before it, and not waited for, finish as they would have. The memory goes once every kernel already
+        launched has finished, and in several processes, once every process has stopped reading its peers' memory.
+        Then it clears JAX's caches (``jax.clear_caches()``): a jitted function called afterwards is traced again,
+        for the group ``initialize`` makes next, since a computation compiled for this group, replayed from an XLA
+        command buffer, would run its kernels on the freed memory without reaching a handler that could refuse.
+        Computations compiled ahead of time (``.lower(...).compile()``) before it must not run again.
         """
         if self.released:
             return
@@ -242,6 +243,7 @@ class Group:
                 _barrier(self.namespace, "released", self.processes, self.setup_timeout_ms)
         finally:
             _extension.release(self.id)
+            jax.clear_caches()
 
 
 _groups: dict[Hashable, Group] = {}
