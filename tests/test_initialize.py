@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -148,3 +149,65 @@ def test_each_mesh_axis_keeps_its_own_count_of_key_value_namespaces():
     axis, count = first.split("/")
     assert second == f"{axis}/{int(count) + 1}"
     assert other.split("/")[0] != axis
+
+
+class _Extension:
+    """Stands in for the CUDA extension's finalize steps: records which ran, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def close_peer_mappings(self, group_id):
+        self.calls.append(("close_peer_mappings", group_id))
+
+    def release(self, group_id):
+        self.calls.append(("release", group_id))
+
+
+def _group_of(processes):
+    return _group.Group(7, "ns/1", "ep", 2, 1, dict(SIZES), processes, 1000, {}, frozenset())
+
+
+@pytest.mark.parametrize("barrier_fails", [False, True])
+def test_finalize_frees_memory_only_once_every_process_unmapped_it(monkeypatch, barrier_fails):
+    extension, barriers = _Extension(), []
+
+    def barrier(namespace, name, processes, timeout_ms):
+        barriers.append((namespace, name, processes))
+        if barrier_fails:
+            raise TimeoutError("process 1 never arrived")
+
+    monkeypatch.setattr(_group, "_extension", extension)
+    monkeypatch.setattr(_group, "_barrier", barrier)
+    group = _group_of([0, 1])
+    if barrier_fails:
+        with pytest.raises(TimeoutError, match="process 1 never arrived"):
+            group.finalize()
+        # Stopped and unmapped, but its memory kept: process 1 may still map it.
+        assert extension.calls == [("close_peer_mappings", 7), ("close_peer_mappings", 7)]
+    else:
+        group.finalize()
+        assert extension.calls == [("close_peer_mappings", 7), ("release", 7)]
+    assert barriers == [("ns/1", "released", [0, 1])]
+    assert group.released
+    group.finalize()  # a second call does nothing
+    assert len(extension.calls) == 2
+
+
+def test_finalize_of_one_process_frees_at_once_and_clears_jax_caches(monkeypatch):
+    extension, traces = _Extension(), []
+    monkeypatch.setattr(_group, "_extension", extension)
+    monkeypatch.setattr(_group, "_barrier", lambda *args: pytest.fail("one process needs no barrier"))
+
+    @jax.jit
+    def f(x):
+        traces.append(1)
+        return x + 1
+
+    f(jnp.ones(3))
+    f(jnp.ones(3))
+    assert len(traces) == 1
+    _group_of([0]).finalize()
+    assert extension.calls == [("release", 7)]
+    f(jnp.ones(3))  # traced again: a computation compiled for the group must not replay after finalize
+    assert len(traces) == 2

@@ -230,19 +230,28 @@ class Group:
         for the group ``initialize`` makes next, since a computation compiled for this group, replayed from an XLA
         command buffer, would run its kernels on the freed memory without reaching a handler that could refuse.
         Computations compiled ahead of time (``.lower(...).compile()``) before it must not run again.
+
+        Over several processes, a process frees its memory only once every process has said (at a barrier) that it
+        no longer maps it: CUDA leaves freeing memory another process still maps undefined. If the barrier fails,
+        the group is stopped and its error raised, and this process's memory stays allocated until it exits.
         """
         if self.released:
             return
         self.released = True
         if _groups.get(self.axis_name) is self:
             del _groups[self.axis_name]
+        unmapped_everywhere = len(self.processes) == 1
         try:
             jax.block_until_ready([a for a in jax.live_arrays() if a.devices() & self.devices])
-            if len(self.processes) > 1:
+            if not unmapped_everywhere:
                 _extension.close_peer_mappings(self.id)
                 _barrier(self.namespace, "released", self.processes, self.setup_timeout_ms)
+                unmapped_everywhere = True
         finally:
-            _extension.release(self.id)
+            if unmapped_everywhere:
+                _extension.release(self.id)
+            else:  # stopped (no handler launches), its peers' memory unmapped, its own kept
+                _extension.close_peer_mappings(self.id)
             jax.clear_caches()
 
 
