@@ -344,9 +344,13 @@ void Group::Stop() {
     std::unique_lock<std::shared_mutex> launches(launches_mutex_);
     released_ = true;
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int> ordinals;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);  // not held while waiting: Failure() and Find() stay answerable
+    for (const auto& [ordinal, device] : devices_) ordinals.push_back(ordinal);
+  }
   DeviceGuard guard;
-  for (auto& [ordinal, device] : devices_) {
+  for (int ordinal : ordinals) {
     cudaSetDevice(ordinal);
     cudaDeviceSynchronize();
   }
