@@ -59,7 +59,8 @@ def run_workers(
     The workers find this checkout on PYTHONPATH (:func:`checkout_env`) and run with NVLink multicast off and
     without GPU memory preallocation (they share the GPUs), plus ``env``. Worker i writes to ``logs[i]`` when given
     (a file, so a full pipe cannot stall it), else to our output. Returns the exit codes, or None once ``timeout``
-    seconds pass (then every worker is killed).
+    seconds pass. A worker still running when it returns or raises (KeyboardInterrupt from a time limit outside,
+    say) is killed, so that none is left holding the GPU.
     """
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -74,9 +75,12 @@ def run_workers(
     try:
         return [worker.wait(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]
     except subprocess.TimeoutExpired:
-        for worker in workers:
-            worker.kill()
         return None
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
 
 
 def launch(args: argparse.Namespace) -> int:

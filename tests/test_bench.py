@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -697,3 +698,34 @@ def test_run_session_returns_the_exit_code_and_kills_the_whole_session_on_timeou
     assert (status, stdout) == (None, "started\n")
     time.sleep(4)
     assert not marker.exists()
+
+
+def test_run_workers_leaves_no_worker_running_when_interrupted(tmp_path, monkeypatch):
+    """bench/multiprocess.py's run_workers: the exit codes; past its timeout, None; and when the wait is interrupted
+    (KeyboardInterrupt, as from a time limit around pytest), no worker lives on to hold the GPU."""
+    from bench import multiprocess
+
+    logs = [tmp_path / f"{i}.log" for i in range(2)]
+    assert multiprocess.run_workers(lambda port, i: ["bash", "-c", f"exit {i + 2}"], 2, 30, logs=logs) == [2, 3]
+    assert multiprocess.run_workers(lambda port, i: ["sleep", "60"], 2, 1, logs=logs) is None
+
+    started = []
+    popen, wait = subprocess.Popen, subprocess.Popen.wait
+
+    def recorded(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(self, timeout=None):  # the wait for the workers is interrupted; a wait after a kill is not
+        if timeout is not None:
+            raise KeyboardInterrupt
+        return wait(self)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    monkeypatch.setattr(subprocess, "Popen", recorded)
+    with pytest.raises(KeyboardInterrupt):
+        multiprocess.run_workers(lambda port, i: ["sleep", "60"], 2, 30, logs=logs)
+    monkeypatch.undo()
+    assert len(started) == 2
+    for worker in started:
+        assert worker.wait(timeout=10) == -signal.SIGKILL
