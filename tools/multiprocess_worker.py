@@ -33,6 +33,7 @@ scan_shared: both on GPU 0, XLA command buffers on (the test sets XLA_FLAGS): to
 import os
 import sys
 import time
+import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -419,4 +420,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # noqa: BLE001  (leave at once: jax's exit handler would wait 300 s for the others)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
