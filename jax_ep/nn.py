@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._validate import check_choice, check_float_dtype, check_positive_int
+from .ep._validate import check_choice, check_float_dtype, check_positive_int
 from .ep.fp8 import check_wire_dtype
 from .ep.ops import HANDLE, ROWS, combine, dispatch, dispatch_finish, dispatch_start
 from .ep.types import LAYOUTS

@@ -3,7 +3,7 @@ the kernels rely on: the target (never one XLA captures in command buffers for a
 call site that each call's tag carries (ranks that reach different jax_ep calls at one position fail when they meet).
 
 There are no GPUs, so no :class:`jax_ep.Group`: the tests take the CPU devices for GPUs and put a stand-in group
-for axis "ep" into ``jax_ep.ep.group``'s registry, which is where ``backends/cuda.py:find_group`` looks. They need
+for axis "ep" into ``jax_ep.ep.group``'s registry, which is where ``jax_ep/ep/cuda.py:find_group`` looks. They need
 the CUDA extension (CI builds it), whose result names and limits the calls are built from.
 """
 
@@ -30,7 +30,7 @@ GROUP_ID = 4242
 def extension(monkeypatch):
     """The CUDA extension (its result names and limits shape what is traced), and the CPU devices taken for GPUs,
     so that backend "cuda" traces here."""
-    from jax_ep.ep.backends import cuda
+    from jax_ep.ep import cuda
 
     if not _group.available():
         pytest.skip(f"needs the CUDA extension (built wherever nvcc is found): {_group.unavailable_reason()}")

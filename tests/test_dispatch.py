@@ -236,20 +236,20 @@ def test_auto_backend_equals_xla():
 
 
 def test_auto_backend_takes_cuda_only_where_a_group_serves(monkeypatch):
-    """backends.resolve, which dispatch asks: "auto" is "cuda" (with the group's id) where cuda.find_group offers a
+    """ops._resolve_backend, which dispatch asks: "auto" is "cuda" (with the group's id) where cuda.find_group offers a
     group, else "xla"; "cuda" where no group can serve is a ValueError; "xla" is "xla" even where one could."""
-    from jax_ep.ep import backends
-    from jax_ep.ep.backends import cuda
+    from jax_ep.ep import cuda
+    from jax_ep.ep.ops import _resolve_backend
 
     where = (AXIS, 4, K, E)
     assert not cuda.on_gpus() and cuda.find_group(*where)[0] is None  # CPU: no group
-    assert backends.resolve("auto", *where) == ("xla", -1)
+    assert _resolve_backend("auto", *where) == ("xla", -1)
     with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
-        backends.resolve("cuda", *where)
+        _resolve_backend("cuda", *where)
     monkeypatch.setattr(cuda, "find_group", lambda *args: (7, ""))
-    assert backends.resolve("auto", *where) == ("cuda", 7)
-    assert backends.resolve("cuda", *where) == ("cuda", 7)
-    assert backends.resolve("xla", *where) == ("xla", -1)
+    assert _resolve_backend("auto", *where) == ("cuda", 7)
+    assert _resolve_backend("cuda", *where) == ("cuda", 7)
+    assert _resolve_backend("xla", *where) == ("xla", -1)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "expert"])

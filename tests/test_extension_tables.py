@@ -1,4 +1,4 @@
-"""What the CUDA extension tells Python about its FFI targets and kernels, and how backends/cuda.py's spec of each
+"""What the CUDA extension tells Python about its FFI targets and kernels, and how jax_ep/ep/cuda.py's spec of each
 target fits the public types (runs on CPU; needs the built extension)."""
 
 import dataclasses
@@ -26,7 +26,7 @@ def extension():
 def test_every_target_of_the_spec_is_registered_twice_captured_and_not(extension):
     """Each target cuda.py specifies has a handler XLA may capture in command buffers, and an _uncaptured twin it
     may not (for groups that talk NCCL), as the handlers' own metadata says; the extension registers no other."""
-    from jax_ep.ep.backends import cuda
+    from jax_ep.ep import cuda
 
     compatible = extension.command_buffer_compatible()
     names = {name for target in cuda.TARGETS for name in (target, f"{target}_uncaptured")}
@@ -37,7 +37,7 @@ def test_every_target_of_the_spec_is_registered_twice_captured_and_not(extension
 def test_a_dispatch_returns_every_array_of_dispatched_and_handle():
     """The whole dispatch's results are the arrays of Dispatched and Handle (but row_expert, which ops.py derives
     from group_sizes), once each, and its two halves split them: the start's routing, the finish's the rest."""
-    from jax_ep.ep.backends import cuda
+    from jax_ep.ep import cuda
 
     fields = {f.name for cls in (Dispatched, Handle) for f in dataclasses.fields(cls)} - {"handle", "config"}
     fields.remove("row_expert")
@@ -53,7 +53,7 @@ def test_limits_are_the_kernels_and_bound_backend_cuda(monkeypatch, extension):
     """limits() are the constants the kernels are built with (ffi/kernels/launch.h: a token's rows and the
     receivers' row tables live in shared memory), and backend "cuda" takes a dispatch at both limits and refuses
     one past them before any kernel, naming the limit."""
-    from jax_ep.ep.backends import cuda
+    from jax_ep.ep import cuda
 
     header = (Path(__file__).resolve().parents[1] / "ffi" / "kernels" / "launch.h").read_text()
     built = {

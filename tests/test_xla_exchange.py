@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.ep.backends import xla as xla_backend
+from jax_ep.ep import xla as xla_backend
 from tests import reference
 from tests.conftest import cpu_mesh
 from tests.gpu import require_gpu

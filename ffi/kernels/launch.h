@@ -229,7 +229,7 @@ using NcclSwap = std::function<Status(int64_t region_bytes)>;
 enum class FloatType { kF32, kBF16, kF16 };
 
 // A call's outputs, one struct per op and phase, their fields in the order of the results of the op's spec in
-// jax_ep/ep/backends/cuda.py (the handlers fill them in that order).
+// jax_ep/ep/cuda.py (the handlers fill them in that order).
 // What a dispatch's receive phase writes (RECEIVED): the layout's rows and their weights, the sizes, and the
 // receive side of the handle.
 struct DispatchReceived {

@@ -1,6 +1,6 @@
 // The XLA FFI handlers: find this GPU's part of the group, take the call's buffers, launch. Each binds the operands,
 // the attributes (one struct per op) and the results of its target, typed, in the order of the target's spec in
-// jax_ep/ep/backends/cuda.py, which builds the call. They never throw; the library's Status becomes ffi::Error
+// jax_ep/ep/cuda.py, which builds the call. They never throw; the library's Status becomes ffi::Error
 // here, and only here. Handlers keep no per-call state on the host, so XLA may capture them in command buffers
 // (CUDA graphs), except for groups that reach a rank through NCCL, which call the targets' *_uncaptured twins.
 #include "handlers.h"

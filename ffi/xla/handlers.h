@@ -28,7 +28,7 @@ const XLA_FFI_TypeInfo* JaxEpGroupStateTypeInfo();
 
 namespace jax_ep {
 
-// An FFI target: the name jax.ffi.ffi_call calls (jax_ep/ep/backends/cuda.py specifies its operands and results),
+// An FFI target: the name jax.ffi.ffi_call calls (jax_ep/ep/cuda.py specifies its operands and results),
 // and its execute handlers: the second is registered as the name + kUncaptured.
 struct Target {
   const char* name;

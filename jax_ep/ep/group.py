@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._validate import check_positive_int
 from . import call_sites
+from ._validate import check_positive_int
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NCCL reads it once, at the process's first NCCL call (maybe XLA's)
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -14,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from .._validate import check_array, check_choice, check_float_dtype, check_positive_int
-from . import backends, call_sites, fp8
+from . import call_sites, fp8, xla
+from ._validate import check_array, check_choice, check_float_dtype, check_positive_int
 from .types import (
     DROP_POLICIES,
     LAYOUTS,
     XLA_EXCHANGES,
+    Backend,
     Config,
     Dispatched,
     Handle,
@@ -65,6 +67,42 @@ def _capacity(num_ranks: int, num_tokens: int, topk: int, num_experts: int, layo
     if layout == "ragged":
         return num_ranks * num_tokens * min(topk, local_experts) + local_experts * (expert_alignment - 1)
     return num_ranks * num_tokens
+
+
+BACKENDS = ("auto", "xla", "cuda")
+_warned: set[str] = set()
+
+
+def _resolve_backend(backend: str, axis_name: Hashable, num_ranks: int, topk: int, num_experts: int) -> tuple[str, int]:
+    """The concrete backend ("xla" or "cuda") that ``backend`` names for this dispatch, and the cuda group id.
+
+    ``"cuda"`` where it cannot run is a ValueError; ``"auto"`` then picks ``"xla"``, warning once per reason
+    when the computation runs on GPUs.
+    """
+    check_choice("backend", backend, BACKENDS)
+    if backend == "xla":
+        return "xla", -1
+    from . import cuda
+
+    group, reason = cuda.find_group(axis_name, num_ranks, topk, num_experts)
+    if group is not None:
+        return "cuda", group
+    if backend == "cuda":
+        raise ValueError(f"jax_ep: backend='cuda' cannot run here: {reason}")
+    if cuda.on_gpus() and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"jax_ep: backend='auto' uses 'xla' on these GPUs: {reason}", stacklevel=3)
+    return "xla", -1
+
+
+def _backend(backend: str) -> Backend:
+    """The module implementing a resolved backend (:class:`~jax_ep.ep.types.Backend`); "cuda" is imported only
+    when used."""
+    if backend == "cuda":
+        from . import cuda
+
+        return cuda
+    return xla
 
 
 def _axis_size(axis_name: Hashable) -> int:
@@ -113,7 +151,7 @@ def dispatch(
         ``jax.lax.ragged_dot``) or ``"expert"`` (``[L, C, H]``).
       capacity: C, rows kept (ragged) or rows per local expert (expert);
         ``None`` is :func:`default_capacity`. Slots that do not fit are
-        dropped and counted in ``num_dropped``.
+        dropped, and counted in the :class:`Dispatched` returned.
       expert_alignment: ragged segments are padded to a multiple of this.
       drop_policy: which slots a too-small ragged ``capacity`` keeps: within
         each local expert always its first ones in (source rank, token, k)
@@ -245,7 +283,7 @@ def _dispatch_config(
     # An alignment past the capacity fits no segment of a slot: C + 1 keeps both drop policies' layouts (nothing
     # kept under "balanced", every row past C cut under "expert") with segment starts that stay small.
     expert_alignment = min(expert_alignment, capacity + 1)
-    resolved, group = backends.resolve(backend, axis_name, num_ranks, topk, num_experts)
+    resolved, group = _resolve_backend(backend, axis_name, num_ranks, topk, num_experts)
     return Config(
         axis_name=axis_name,
         num_ranks=num_ranks,
@@ -339,7 +377,7 @@ def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(config: Config, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
     rows = fp8.wire_rows(x, config.wire_dtype)  # packed FP8 rows travel as bytes; the backward pass is unchanged
-    d = backends.module(config.backend).dispatch(config, rows, topk_idx, topk_weights)
+    d = _backend(config.backend).dispatch(config, rows, topk_idx, topk_weights)
     return _unwire(config, d, RowType(x.shape[1], x.dtype))
 
 
@@ -358,7 +396,7 @@ def _dispatch_fwd(config, x, topk_idx, topk_weights):
 
 def _dispatch_bwd(config, handle, cotangent):
     rows_ct = cotangent.x.reshape(config.num_rows, cotangent.x.shape[-1])
-    backend = backends.module(config.backend)
+    backend = _backend(config.backend)
     partial = config.partial_dtype or rows_ct.dtype
     site = call_sites.backward(config.site, "the backward pass")
     dx, dtopk_weights = backend.combine(handle, rows_ct, None, partial, cotangent.weights.reshape(-1), site=site)
@@ -373,7 +411,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _route(config: Config, topk_idx: jax.Array, topk_weights: jax.Array) -> Dispatched:
-    return backends.module(config.backend).route(config, topk_idx, topk_weights)
+    return _backend(config.backend).route(config, topk_idx, topk_weights)
 
 
 def _route_fwd(config, topk_idx, topk_weights):
@@ -383,7 +421,7 @@ def _route_fwd(config, topk_idx, topk_weights):
 
 def _route_bwd(config, handle, cotangent):
     no_rows = jax.lax.full_like(handle.row_slot, 0, jnp.float32, (config.num_rows, 0))  # varies as the handle
-    backend = backends.module(config.backend)
+    backend = _backend(config.backend)
     site = call_sites.backward(config.site, "the backward pass")
     _, dtopk_weights = backend.combine(handle, no_rows, None, jnp.float32, cotangent.weights.reshape(-1), site=site)
     return None, dtopk_weights
@@ -395,7 +433,7 @@ _route.defvjp(_route_fwd, _route_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _transfer(config: Config, x_type: RowType, x: jax.Array, handle: Handle) -> jax.Array:
     site = call_sites.backward(config.site, "the rows' transfer")
-    rows = backends.module(config.backend).transfer(handle, fp8.wire_rows(x, config.wire_dtype), site=site)
+    rows = _backend(config.backend).transfer(handle, fp8.wire_rows(x, config.wire_dtype), site=site)
     return rows if config.wire_dtype is None else fp8.unpack(rows, x_type.hidden, x_type.dtype)
 
 
@@ -406,7 +444,7 @@ def _transfer_fwd(config, x_type, x, handle):
 def _transfer_bwd(config, x_type, handle, rows_ct):
     site = call_sites.backward(config.site, "the backward pass of the rows' transfer")
     partial = config.partial_dtype or rows_ct.dtype
-    dx, _ = backends.module(config.backend).combine(handle, rows_ct, None, partial, site=site)
+    dx, _ = _backend(config.backend).combine(handle, rows_ct, None, partial, site=site)
     return dx, None
 
 
@@ -417,7 +455,7 @@ _transfer.defvjp(_transfer_fwd, _transfer_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _combine(partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None) -> jax.Array:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    return backends.module(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype, site=site)[0]
+    return _backend(handle.config.backend).combine(handle, rows, flat_weights, partial_dtype, site=site)[0]
 
 
 def _saving_combine_inputs(op):
@@ -431,7 +469,7 @@ def _saving_combine_inputs(op):
 
 def _combine_bwd(partial_dtype, site, residuals, cotangent):
     y, handle, weights = residuals
-    backend = backends.module(handle.config.backend)
+    backend = _backend(handle.config.backend)
     backward = call_sites.backward(site, "the backward pass")
     dy, dweights = backend.combine_backward(handle, cotangent, y, weights, site=backward)
     return dy, None, dweights
@@ -522,7 +560,7 @@ def combine_finish(pending: PendingCombine) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch_start(config: Config, x_type: RowType, x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array) -> Any:
     rows = fp8.wire_rows(x, config.wire_dtype)
-    return backends.module(config.backend).dispatch_start(config, rows, topk_idx, topk_weights, x_type)
+    return _backend(config.backend).dispatch_start(config, rows, topk_idx, topk_weights, x_type)
 
 
 def _dispatch_start_fwd(config, x_type, x, topk_idx, topk_weights):
@@ -531,7 +569,7 @@ def _dispatch_start_fwd(config, x_type, x, topk_idx, topk_weights):
 
 
 def _dispatch_start_bwd(config, x_type, started, dstarted):
-    dx, dweights = backends.module(config.backend).dispatch_start_backward(config, started, dstarted, x_type)
+    dx, dweights = _backend(config.backend).dispatch_start_backward(config, started, dstarted, x_type)
     return dx, None, dweights
 
 
@@ -540,7 +578,7 @@ _dispatch_start.defvjp(_dispatch_start_fwd, _dispatch_start_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _dispatch_finish(config: Config, x_type: RowType, started: Any) -> Dispatched:
-    return _unwire(config, backends.module(config.backend).dispatch_finish(config, started), x_type)
+    return _unwire(config, _backend(config.backend).dispatch_finish(config, started), x_type)
 
 
 def _dispatch_finish_fwd(config, x_type, started):
@@ -550,7 +588,7 @@ def _dispatch_finish_fwd(config, x_type, started):
 
 def _dispatch_finish_bwd(config, x_type, handle, cotangent):
     rows_ct = cotangent.x.reshape(config.num_rows, cotangent.x.shape[-1])
-    backend = backends.module(config.backend)
+    backend = _backend(config.backend)
     return (backend.dispatch_finish_backward(handle, rows_ct, cotangent.weights.reshape(-1)),)
 
 
@@ -564,12 +602,12 @@ def _combine_rows(y: jax.Array, handle: Handle, weights: jax.Array | None) -> tu
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _combine_start(partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None) -> Any:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    return backends.module(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype, site=site)
+    return _backend(handle.config.backend).combine_start(handle, rows, flat_weights, partial_dtype, site=site)
 
 
 def _combine_start_bwd(partial_dtype, site, residuals, dstarted):
     y, handle, weights = residuals
-    backend = backends.module(handle.config.backend)
+    backend = _backend(handle.config.backend)
     backward = call_sites.backward(site, "the backward pass")
     dy, dweights = backend.combine_start_backward(handle, y, weights, dstarted, site=backward)
     return dy, None, dweights
@@ -583,13 +621,13 @@ def _combine_finish(
     partial_dtype: Any, site: int, y: jax.Array, handle: Handle, weights: jax.Array | None, started: Any
 ) -> jax.Array:
     rows, flat_weights = _combine_rows(y, handle, weights)
-    backend = backends.module(handle.config.backend)
+    backend = _backend(handle.config.backend)
     return backend.combine_finish(handle, rows, flat_weights, partial_dtype, started, site=site)
 
 
 def _combine_finish_bwd(partial_dtype, site, residuals, cotangent):
     y, handle, weights = residuals
-    backend = backends.module(handle.config.backend)
+    backend = _backend(handle.config.backend)
     backward = call_sites.backward(site, "the backward pass")
     dy, dweights, dstarted = backend.combine_finish_backward(handle, cotangent, y, weights, site=backward)
     return dy, None, dweights, dstarted

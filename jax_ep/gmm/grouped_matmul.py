@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._validate import check_array, check_choice, check_float_dtype
+from ..ep._validate import check_array, check_choice, check_float_dtype
 from . import padded as _padded
 from .vma import varying_axes, varying_like_inputs
 

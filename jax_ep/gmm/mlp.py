@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._validate import check_array, check_choice
+from ..ep._validate import check_array, check_choice
 from . import grouped_matmul as _gm
 from . import padded as _padded
 from .vma import varying_like_inputs

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import call_sites
-from .. import group as _group
-from ..types import LIKE_ROWS, RECEIVED, ROUTED, Config, Dispatched, Handle, Result, RowType, dispatched
+from . import call_sites
+from . import group as _group
+from .types import LIKE_ROWS, RECEIVED, ROUTED, Config, Dispatched, Handle, Result, RowType, dispatched
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -262,7 +262,7 @@ def combine(
     *,
     site: int,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Combine (and dispatch's backward pass) in one FFI call; see ``backends/xla.py:combine``."""
+    """Combine (and dispatch's backward pass) in one FFI call; see ``xla.py:combine``."""
     operands = _combine_operands(handle, rows, weights, row_values)
     with_values, partial_f32 = row_values is not None, _partial_f32(rows, partial_dtype)
     args = (handle.config, operands, rows.shape[1], rows.dtype)
@@ -347,7 +347,7 @@ def _backward_outputs(y: jax.Array, weights: jax.Array | None, out: dict[str, ja
 def combine_backward(
     handle: Handle, cotangent: jax.Array, y: jax.Array, weights: jax.Array | None, *, site: int
 ) -> tuple[jax.Array, jax.Array | None]:
-    """The backward pass of combine in one FFI call; see ``backends/xla.py:combine_backward``."""
+    """The backward pass of combine in one FFI call; see ``xla.py:combine_backward``."""
     operands = _backward_operands(handle, cotangent, y, weights)
     return _backward_outputs(y, weights, _backward("jax_ep_combine_backward", handle, operands, y, weights, site))
 

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..routing import assign_rows, local_layout
-from ..types import Config, Dispatched, Handle, RowType
+from .routing import assign_rows, local_layout
+from .types import Config, Dispatched, Handle, RowType
 
 # The ragged exchange's primitive, looked up at each call: tests on CPU, whose XLA lacks it, put an emulation of
 # its documented semantics here (tests/helpers.py).
