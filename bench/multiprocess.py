@@ -34,7 +34,8 @@ def checkout_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def run_session(command: list[str], timeout: float, env: Mapping[str, str]) -> tuple[int | None, str, str]:
     """Runs ``command`` in a session of its own: its exit code (None once ``timeout`` seconds pass, when the whole
-    session is killed, a program run under a wrapper such as compute-sanitizer too), stdout and stderr."""
+    session is killed, a program run under a wrapper such as compute-sanitizer too), stdout and stderr. The session
+    is killed as well when the wait is interrupted (KeyboardInterrupt from a time limit outside, say)."""
     child = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), start_new_session=True
     )
@@ -45,6 +46,11 @@ def run_session(command: list[str], timeout: float, env: Mapping[str, str]) -> t
         os.killpg(child.pid, signal.SIGKILL)
         stdout, stderr = child.communicate()
         return None, stdout, stderr
+    finally:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
 
 
 def run_workers(

@@ -700,6 +700,27 @@ def test_run_session_returns_the_exit_code_and_kills_the_whole_session_on_timeou
     assert not marker.exists()
 
 
+def test_run_session_kills_the_session_when_interrupted(tmp_path, monkeypatch):
+    """run_session, its wait interrupted (KeyboardInterrupt): the whole session dies, a child of the command too."""
+    from bench.multiprocess import run_session
+
+    marker = tmp_path / "outlived"
+    communicate = subprocess.Popen.communicate
+
+    def interrupted(self, input=None, timeout=None):  # the wait is interrupted; the read after a kill is not
+        if timeout is not None:
+            time.sleep(1)  # the command has started its child
+            raise KeyboardInterrupt
+        return communicate(self, input)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_session(["bash", "-c", f"(sleep 3; touch {marker}) & sleep 60"], 30, os.environ)
+    monkeypatch.undo()
+    time.sleep(4)
+    assert not marker.exists()
+
+
 def test_run_workers_leaves_no_worker_running_when_interrupted(tmp_path, monkeypatch):
     """bench/multiprocess.py's run_workers: the exit codes; past its timeout, None; and when the wait is interrupted
     (KeyboardInterrupt, as from a time limit around pytest), no worker lives on to hold the GPU."""

@@ -37,7 +37,6 @@ import argparse
 import faulthandler
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bench.multiprocess import checkout_env
+from bench.multiprocess import checkout_env, run_session
 from tests.gpu import gpu_devices, require_cuda
 
 pytestmark = [*require_cuda(min_gpus=2), pytest.mark.slow]
@@ -253,15 +252,10 @@ def _run_worker(mesh_name: str, log: Path, flags: str) -> tuple[int | None, str]
         "--guard-s",
         str(max(10.0, TIMEOUT_S - 20)),
     ]
-    with open(log, "w") as sink:
-        worker = subprocess.Popen(command, env=checkout_env(env), stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            code = worker.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-            code = None
-    lines = [line for line in log.read_text().splitlines() if not line.lstrip().startswith("@ 0x")]
+    code, stdout, stderr = run_session(command, TIMEOUT_S, checkout_env(env))
+    output = stderr + stdout  # stdout, which ends with "OK", last
+    log.write_text(output)
+    lines = [line for line in output.splitlines() if not line.lstrip().startswith("@ 0x")]
     return code, "\n".join(lines)
 
 
