@@ -5,14 +5,16 @@ and compute-sanitizer's memcheck finds no access of jax_ep's kernels to memory f
 
 The case runs in fresh processes: once as a user runs it (XLA's command buffers on), and, where compute-sanitizer
 is found, once more under its memcheck with XLA's command buffers and autotuning off (docs/cuda_backend.md, "What
-finalize guarantees", tells how memcheck runs went on one H100). Run it by hand with
-``python -m tests.test_cuda_finalize`` from the checkout.
+finalize guarantees", tells how memcheck runs went on one H100). XLA compiles slowly under memcheck (one of the
+case's programs took more than 150 s on one H100), so a run without memcheck first fills a compilation cache that
+the run under memcheck reads. Run it by hand with ``python -m tests.test_cuda_finalize [HANG_S]`` from the checkout.
 """
 
 import faulthandler
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +44,14 @@ def _step(backend: str):
     return jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep")))
 
 
-HANG_S = 150  # a case still running after this long prints every thread's stack and exits
+HANG_S = 150  # a case still running after this long prints every thread's stack and exits (argv[1] overrides)
 
 
 def main() -> None:
     import jax_ep
 
     faulthandler.enable()  # a crash prints every thread's Python stack
-    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    faulthandler.dump_traceback_later(float(sys.argv[1]) if len(sys.argv) > 1 else HANG_S, exit=True)
 
     mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu")[:1])
     jax_ep.initialize(mesh, "ep", num_tokens=TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=EXPERTS)
@@ -86,15 +88,22 @@ def main() -> None:
     print("OK", flush=True)
 
 
-def _case(command: list[str], xla_flags: str = "") -> str:
-    """Runs the case in a fresh process (``command`` before ``python -m``); its output, after checking it passed."""
+def _case(command: list[str], xla_flags: str = "", cache: Path | None = None, hang_s: float = HANG_S) -> str:
+    """Runs the case in a fresh process (``command`` before ``python -m``), with JAX's compilation cache in ``cache``
+    where given; its output, after checking it passed."""
     from bench.multiprocess import checkout_env, run_session
 
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "NCCL_NVLS_ENABLE": "0"}
     if xla_flags:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
-    command = [*command, sys.executable, "-m", "tests.test_cuda_finalize"]
-    status, stdout, stderr = run_session(command, HANG_S + 60, checkout_env(env))
+    if cache is not None:  # every program, however fast it compiled
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(cache),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
+    command = [*command, sys.executable, "-m", "tests.test_cuda_finalize", str(hang_s)]
+    status, stdout, stderr = run_session(command, hang_s + 60, checkout_env(env))
     output = stdout[-6000:] + stderr[-4000:]
     print(" ".join(command), xla_flags, "\n", output)
     assert status == 0, output
@@ -108,13 +117,14 @@ def test_finalize_right_after_steps_that_were_never_waited_for():
     _case([])
 
 
-def test_finalize_frees_nothing_a_kernel_still_reads_under_memcheck():
+def test_finalize_frees_nothing_a_kernel_still_reads_under_memcheck(tmp_path):
     sanitizer = shutil.which("compute-sanitizer")
     if not sanitizer:
         pytest.skip("compute-sanitizer is not on PATH")
     memcheck = [sanitizer, "--tool", "memcheck", "--kernel-name", "kns=jax_ep", "--error-exitcode", "3"]
     flags = "--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0"  # no autotuning kernels under memcheck
-    assert "ERROR SUMMARY: 0 errors" in _case(memcheck, flags)
+    _case([], flags, cache=tmp_path)  # compiles every program of the case into the cache, with memcheck's flags
+    assert "ERROR SUMMARY: 0 errors" in _case(memcheck, flags, cache=tmp_path, hang_s=300)
 
 
 if __name__ == "__main__":
