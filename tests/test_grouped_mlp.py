@@ -151,17 +151,14 @@ def numpy_swiglu_step(x, w, sizes, dy):
     return y, dx, grads
 
 
-def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
-    """grouped_mlp itself at 256 groups (as on a Hopper GPU, with the kernels faked): M = 32772 rows go to the
-    custom VJP padded to a multiple of 8, the ladder is (160, 176, 192), the largest group has 164 rows (a size
-    that dropped rows would show), and every group's output and gradients are its own MLP's."""
-    fake_kernels(monkeypatch, [])
-    monkeypatch.setattr(gm, "hopper_available", lambda: True)
+def _grouped_mlp_at_256_groups(monkeypatch, sizes: np.ndarray):
+    """grouped_mlp at M = 32772 rows in 256 groups of ``sizes`` (as on a Hopper GPU, the kernels faked): rows padded to
+    a multiple of 8 (32776), one switch a pass, and every group's output and gradients its own MLP's. The switch's
+    branch for groups that fit no padded size runs each op as its plan says, at 256 groups Plan.beyond: a conditional
+    on the padded rows in each of the 3 forward, 3 dx and 3 dw ops, and in each dw one more on how many groups are
+    larger."""
     m, h, f, g = 32772, 64, 64, 256
-    assert padded.row_ladder(m, g) == (160, 176, 192)
     rng = np.random.default_rng(3)
-    sizes = routed_sizes(rng, m - 100, g, 176, skew=False)
-    assert sizes.max() == 164
     x, dy = (jnp.asarray(a, jnp.bfloat16) for a in rng.standard_normal((2, m, h)))
     shapes = {"w_gate": (g, h, f), "w_in": (g, h, f), "w_out": (g, f, h)}
     w = {n: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.bfloat16) for n, shape in shapes.items()}
@@ -172,13 +169,50 @@ def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
         return y, *pullback(dy)
 
     jaxpr = str(jax.make_jaxpr(step)(x, w, jnp.asarray(sizes), dy))
-    assert jaxpr.count("cond[") == 2 and "32776" in jaxpr, "one switch a pass, over rows padded to 32776"
+    assert jaxpr.count("cond[") == 2 + 3 + 3 + 3 * 2 and "32776" in jaxpr
     y, dx, grads = step(x, w, jnp.asarray(sizes), dy)
     s = int(sizes.sum())
     y_ref, dx_ref, grads_ref = numpy_swiglu_step(x, w, sizes, dy)
     for name, got, want in [("y", y[:s], y_ref[:s]), ("dx", dx, dx_ref)] + [(n, grads[n], grads_ref[n]) for n in w]:
         got = np.asarray(got, np.float32)
         np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()), err_msg=name)
+
+
+def _sizes_at_256_groups(largest: int) -> np.ndarray:
+    """Routed sizes of 32672 rows in 256 groups, the largest 164 rows; with ``largest`` group 0 takes that many,
+    the rows it gains taken one each from the others."""
+    sizes = routed_sizes(np.random.default_rng(3), 32772 - 100, 256, 176, skew=False)
+    assert padded.row_ladder(32772, 256) == (160, 176, 192) and sizes.max() == 164
+    for i in range(largest - int(sizes[0])):
+        sizes[1 + i % 255] -= 1
+    sizes[0] = max(largest, sizes[0])
+    assert sizes.min() >= 0
+    return sizes
+
+
+def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
+    """The ladder is (160, 176, 192) and the largest group has 164 rows (a size that dropped rows would show)."""
+    fake_kernels(monkeypatch, [])
+    monkeypatch.setattr(gm, "hopper_available", lambda: True)
+    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(0))
+
+
+def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch):
+    """A group of 300 rows fits no size of the ladder: each op then takes the padded path past its rows
+    (Plan.beyond). The kernels over every row give NaN, so only that path gives the right result."""
+    fake_kernels(monkeypatch, [])
+    monkeypatch.setattr(gm, "hopper_available", lambda: True)
+
+    def whole_rows_nan(kernel):
+        def run(*args, group_starts=None, **kwargs):
+            out = kernel(*args, group_starts=group_starts, **kwargs)
+            return out if group_starts is not None else out * jnp.nan
+
+        return run
+
+    for name in ("ragged_dot", "transposed_ragged_dot", "upstream_ragged_dot"):
+        monkeypatch.setattr(gm._mosaic, name, whole_rows_nan(getattr(gm._mosaic, name)))
+    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(300))
 
 
 def test_grouped_mlp_without_hopper_is_the_mlp_of_ragged_dot():

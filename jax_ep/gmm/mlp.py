@@ -7,7 +7,8 @@ output's cotangent go into groups once, the activation runs on the padded rows, 
 backward pass's unpad sums the two parts of ``dx`` as it copies them), where the nine ops would each pad and unpad
 their own operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the
 smallest of a few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs
-multiply fewer padding rows than the ops' single size, or the kernels when no size fits. It is a ``jax.custom_vjp``
+multiply fewer padding rows than the ops' single size. When no size fits, each op runs as its plan says: with
+``Plan.beyond`` (from 256 groups up) on the padded path past its rows, else its kernel. It is a ``jax.custom_vjp``
 whose residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every
 branch, zeros from the untaken ones.
 """
@@ -58,7 +59,7 @@ def grouped_mlp(
     Results, gradients and ``impl`` as :func:`jax_ep.grouped_matmul`'s (rows past ``sum(group_sizes)`` of the output
     unspecified, of ``dx`` 0). Where that function's plan puts all three ops of both matmul shapes on the padded
     path (at least 256 groups that average at most 1/1.5 of the padded rows), the whole MLP runs padded in one
-    ``jax.custom_vjp`` at the smallest padded size every group fits, and the grouped kernels when none fits.
+    ``jax.custom_vjp`` at the smallest padded size every group fits, and each op as its plan says when none fits.
     """
     _check(x, weights, group_sizes, impl)
     w = {name: value.astype(x.dtype) for name, value in weights.items()}
@@ -110,9 +111,15 @@ def _hidden(activation: Callable, *pre: jax.Array) -> jax.Array:
     return activation(pre[0]) * pre[1] if len(pre) == 2 else activation(pre[0])
 
 
+def _beyond_plans(plans: tuple[_gm.Plan, _gm.Plan]) -> tuple[_gm.Plan, ...]:
+    """The plans of the branch where no padded size fits: each op on the padded path past its rows (Plan.beyond), or
+    its kernel alone."""
+    return tuple(p if p.beyond else p._replace(padded_ops=()) for p in plans)
+
+
 def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
     """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits, or
-    ``ragged(*args)`` (the kernels) when none does; elsewhere ``ragged`` (XLA's ops)."""
+    ``ragged(*args)`` (each op as its plan says) when none does; elsewhere ``ragged`` (XLA's ops)."""
 
     def on_gpu(*a):
         index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(a[2]))  # len(ladder) where none fits
@@ -124,7 +131,7 @@ def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
 
 def _forward(x, w, group_sizes, activation, plans, ladder):
     """``(y, pre)``: the output and the ragged pre-activations (``x @ w_gate``, ``x @ w_in`` or ``x @ w_in``)."""
-    up, down = (p._replace(padded_ops=()) for p in plans)
+    up, down = _beyond_plans(plans)
     names = _pre_names(w)
 
     def ragged(x, w, s):
@@ -146,7 +153,7 @@ def _forward(x, w, group_sizes, activation, plans, ladder):
 
 def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
     """``dx`` and the weights' cotangents (a dict like ``w``)."""
-    up, down = (p._replace(padded_ops=()) for p in plans)
+    up, down = _beyond_plans(plans)
     names = _pre_names(w)
 
     def ragged(x, w, s, pre, dy):
