@@ -659,7 +659,8 @@ def routed_sizes(rng, rows: int, g: int, fit: int, skew: bool) -> np.ndarray:
 )
 def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
     """The ops of the plan's padded_ops hold the padded path under a conditional, and all three match a per-group
-    float32 matmul with every group fitting (the padded path) and with one group too large (the kernels)."""
+    float32 matmul with every group fitting (the padded path) and with one group too large (at 256 groups the padded
+    path past its rows, Plan.beyond; else the kernels)."""
     plan = gm.plan_for((m, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)
     fit = padded_rows(m, g)
     assert plan.padded == fit and plan.padded_ops == ops
