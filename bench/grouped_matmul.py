@@ -305,12 +305,18 @@ def ragged_fns():
 
 
 def sampled_check(plan, x, w, dy, sizes) -> dict:
-    """Relative max error of the kernels against float32 on 16 rows of y and dx and on two groups of dw."""
+    """Relative max error of the kernels against float32 on 16 rows of y and dx (12 at random and the last 4 of the
+    largest group, past the padded path's rows where it is larger) and on two groups of dw (the largest, the last)."""
     s = jnp.asarray(sizes)
     m = x.shape[0]
     total = int(sizes.sum())
     group_of_row = np.repeat(np.arange(len(sizes)), sizes)
-    rows = np.random.default_rng(1).choice(total, 16, replace=False)
+    largest_end = int(np.cumsum(sizes)[int(np.argmax(sizes))])
+    rows = np.unique(
+        np.concatenate(
+            [np.random.default_rng(1).choice(total, 12, replace=False), np.arange(largest_end - 4, largest_end)]
+        )
+    )
     fns = gmm_fns(plan, x, w)
     y = fns["fwd"](x, w, s)
     dx = fns["dx"](dy, w, s)
@@ -368,6 +374,9 @@ def bench_shape(m, k, n, g, iters: int, ragged: bool, skews: tuple[str, ...] = S
     row["useful_fraction"] = useful_fraction(m, g, group_sizes("random", m, g))
     log(f"  useful fraction of the rows each path multiplies (random sizes): {row['useful_fraction']}")
     row["check_kernels"] = sampled_check(plan._replace(padded=None), x, w, dy, group_sizes("random", m, g))
+    if plan.padded is not None:  # Plan.beyond with a group past the padded rows: the kernels over groups from starts
+        beyond = plan._replace(padded_ops=("fwd", "dx", "dw"), beyond=True)
+        row["check_beyond_max4"] = sampled_check(beyond, x, w, dy, group_sizes("max:4", m, g))
     for kernel in gm.ROWS_KERNELS:
         alone = gm.plan_for(x.shape, w.shape, x.dtype, w.dtype, rows=kernel)
         if kernel != plan.rows and alone is not None:

@@ -353,7 +353,7 @@ def test_padded_rows_cover_groups_of_uniform_routing():
     bf16 = jnp.bfloat16
     many = gm.plan_for((32768, 7168), (256, 7168, 2048), bf16, bf16)
     assert many.padded == 192 and many.padded_ops == ("fwd", "dx", "dw") and many.padded_rows("dx") == 192
-    assert many.beyond  # larger groups keep the padded path (measured faster at 256 groups under skew)
+    assert many.beyond == gm.BEYOND_BY_DEFAULT  # larger groups keep the padded path, where it is on
     few = gm.plan_for((32768, 7168), (32, 7168, 2048), bf16, bf16)  # groups of 1024 rows: the kernels won
     assert few.padded == 1184 and few.padded_ops == () and few.padded_rows("dw") is None and not few.beyond
     small = gm.plan_for((8192, 4096), (64, 4096, 1024), bf16, bf16)
@@ -650,6 +650,7 @@ def routed_sizes(rng, rows: int, g: int, fit: int, skew: bool) -> np.ndarray:
 
 
 @hopper
+@pytest.mark.parametrize("beyond", [False, True], ids=["kernels_past_it", "beyond"])
 @pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize(
     "m,k,n,g,ops",
@@ -657,13 +658,15 @@ def routed_sizes(rng, rows: int, g: int, fit: int, skew: bool) -> np.ndarray:
     [(32768, 64, 128, 256, ("fwd", "dx", "dw")), (4096, 4096, 2048, 4, ())],
     ids=["256_groups", "4_groups_large_weights"],
 )
-def test_groups_that_fit_take_the_padded_path(m, k, n, g, ops, skew):
+def test_groups_that_fit_take_the_padded_path(monkeypatch, m, k, n, g, ops, skew, beyond):
     """The ops of the plan's padded_ops hold the padded path under a conditional, and all three match a per-group
-    float32 matmul with every group fitting (the padded path) and with one group too large (at 256 groups the padded
-    path past its rows, Plan.beyond; else the kernels)."""
+    float32 matmul with every group fitting (the padded path) and with one group too large: the kernels, or with
+    BEYOND_BY_DEFAULT at 256 groups the padded path past its rows (Plan.beyond, the kernels over groups from
+    explicit starts)."""
+    monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", beyond)
     plan = gm.plan_for((m, k), (g, k, n), jnp.bfloat16, jnp.bfloat16)
     fit = padded_rows(m, g)
-    assert plan.padded == fit and plan.padded_ops == ops
+    assert plan.padded == fit and plan.padded_ops == ops and plan.beyond == (beyond and g >= gm.MANY_GROUPS)
     rng = np.random.default_rng(3)
     sizes = routed_sizes(rng, m - 100, g, fit, skew)
     x = rng.standard_normal((m, k)).astype(np.float32)

@@ -151,12 +151,17 @@ def numpy_swiglu_step(x, w, sizes, dy):
     return y, dx, grads
 
 
+def conditionals(beyond: bool) -> int:
+    """The conditionals of grouped_mlp's forward and backward pass at 256 groups: one switch a pass, whose branch for
+    groups that fit no padded size runs each op as its plan says. With Plan.beyond that branch holds a conditional
+    on the padded rows in each of the 3 forward, 3 dx and 3 dw ops, and in each dw one more on how many groups are
+    larger; without it, the kernels."""
+    return 2 + (3 + 3 + 3 * 2 if beyond else 0)
+
+
 def _grouped_mlp_at_256_groups(monkeypatch, sizes: np.ndarray):
     """grouped_mlp at M = 32772 rows in 256 groups of ``sizes`` (as on a Hopper GPU, the kernels faked): rows padded to
-    a multiple of 8 (32776), one switch a pass, and every group's output and gradients its own MLP's. The switch's
-    branch for groups that fit no padded size runs each op as its plan says, at 256 groups Plan.beyond: a conditional
-    on the padded rows in each of the 3 forward, 3 dx and 3 dw ops, and in each dw one more on how many groups are
-    larger."""
+    a multiple of 8 (32776), :func:`conditionals`, and every group's output and gradients its own MLP's."""
     m, h, f, g = 32772, 64, 64, 256
     rng = np.random.default_rng(3)
     x, dy = (jnp.asarray(a, jnp.bfloat16) for a in rng.standard_normal((2, m, h)))
@@ -169,7 +174,7 @@ def _grouped_mlp_at_256_groups(monkeypatch, sizes: np.ndarray):
         return y, *pullback(dy)
 
     jaxpr = str(jax.make_jaxpr(step)(x, w, jnp.asarray(sizes), dy))
-    assert jaxpr.count("cond[") == 2 + 3 + 3 + 3 * 2 and "32776" in jaxpr
+    assert jaxpr.count("cond[") == conditionals(gm.BEYOND_BY_DEFAULT) and "32776" in jaxpr
     y, dx, grads = step(x, w, jnp.asarray(sizes), dy)
     s = int(sizes.sum())
     y_ref, dx_ref, grads_ref = numpy_swiglu_step(x, w, sizes, dy)
@@ -198,10 +203,11 @@ def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
 
 
 def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch):
-    """A group of 300 rows fits no size of the ladder: each op then takes the padded path past its rows
-    (Plan.beyond). The kernels over every row give NaN, so only that path gives the right result."""
+    """With Plan.beyond on, a group of 300 rows fits no size of the ladder: each op then takes the padded path past
+    its rows. The kernels over every row give NaN, so only that path gives the right result."""
     fake_kernels(monkeypatch, [])
     monkeypatch.setattr(gm, "hopper_available", lambda: True)
+    monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", True)
 
     def whole_rows_nan(kernel):
         def run(*args, group_starts=None, **kwargs):
@@ -278,11 +284,13 @@ def test_bad_arguments():
 
 
 @hopper
+@pytest.mark.parametrize("beyond", [False, True], ids=["kernels_past_it", "beyond"])
 @pytest.mark.parametrize("skew", [False, True], ids=["fits", "too_large"])
-def test_mosaic_grouped_mlp_at_256_groups(skew):
-    """The real kernels and row copies: one switch each way (its branch for groups that fit no padded size holds the
-    ops' own conditionals, as in _grouped_mlp_at_256_groups), and the output and gradients match the float32 MLP of
-    ragged_dot, whichever branch runs."""
+def test_mosaic_grouped_mlp_at_256_groups(monkeypatch, skew, beyond):
+    """The real kernels and row copies: :func:`conditionals`, and the output and gradients match the float32 MLP of
+    ragged_dot, whichever branch runs (with a group too large: each op's kernel, or with BEYOND_BY_DEFAULT the padded
+    path past its rows)."""
+    monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", beyond)
     m, h, f, g = 32768, 256, 128, 256
     rng = np.random.default_rng(3)
     sizes = routed_sizes(rng, m - 100, g, padded.padded_rows(m, g), skew)
@@ -298,6 +306,6 @@ def test_mosaic_grouped_mlp_at_256_groups(skew):
         return y, *pullback(dy)
 
     args = (xb, wb, jnp.asarray(sizes), dyb)
-    assert step.lower(*args).compile().as_text().count("conditional(") == 2 + 3 + 3 + 3 * 2
+    assert step.lower(*args).compile().as_text().count("conditional(") == conditionals(beyond)
     got = step(*args)
     check(got, reference(xb, wb, jnp.asarray(sizes), dyb), sizes)

@@ -8,7 +8,7 @@ backward pass's unpad sums the two parts of ``dx`` as it copies them), where the
 their own operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the
 smallest of a few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs
 multiply fewer padding rows than the ops' single size. When no size fits, each op runs as its plan says: with
-``Plan.beyond`` (from 256 groups up) on the padded path past its rows, else its kernel. It is a ``jax.custom_vjp``
+``Plan.beyond`` on the padded path past its rows, else its kernel. It is a ``jax.custom_vjp``
 whose residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every
 branch, zeros from the untaken ones.
 """
