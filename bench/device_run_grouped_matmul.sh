@@ -5,8 +5,8 @@
 # With LAYER=1 the benchmark and profile give way to the layer beside its baselines (performance.md's layer tables;
 # at 3f966bc 185 s on one H200) and its profile at E=256 and E=32 without a shared expert.
 # With SKEW=1 (issue 50) only two steps run, both under skewed routing: the benchmark at 32 and 256 groups with its
-# skewed group sizes beside tokamax's forward (<= 230 s), then the layer beside its baselines at busiest-expert loads
-# of 1, 2, 4 and 10 times the mean, those that E/K allows (<= 300 s); WHEELS as for LAYER=1.
+# skewed group sizes beside tokamax's forward (<= 230 s), then the layer beside its baselines and its --ablate rows
+# at busiest-expert loads of 1, 2, 4 and 10 times the mean, those that E/K allows (<= 300 s); WHEELS as for LAYER=1.
 #   JAX_EP_COMMIT=<sha> [SWEEP=1] [LAYER=1] [SKEW=1] [TESTS=0] [TESTS_K=<pytest -k expression>] [TEST_SECONDS=200] \
 #     bash bench/device_run_grouped_matmul.sh
 # The CUDA extension builds in the background (for the MoE layer's backend "cuda") while the grouped-matmul steps
@@ -46,7 +46,8 @@ if [ "${SKEW:-0}" = 1 ]; then
     export LD_LIBRARY_PATH
   fi
   step moe_layer_skews 300 env JAX_EP_COMMAND="python -m bench.moe_layer_baselines OUT/moe_layer_skews.json \
---skews 1 2 4 10 --iters 5" python3 -m bench.moe_layer_baselines "$OUT/moe_layer_skews.json" --skews 1 2 4 10 --iters 5
+--skews 1 2 4 10 --iters 5 --ablate" python3 -m bench.moe_layer_baselines "$OUT/moe_layer_skews.json" --skews 1 2 4 10 \
+    --iters 5 --ablate
   sed -n '/^ratio to the einsum of the same op by group sizes/,$p' "$OUT/grouped_matmul_skews.log"
   sed -n '/^backend/,$p' "$OUT/moe_layer_skews.log"
   exit 0

@@ -22,14 +22,16 @@ mean, empty experts). Every row but ``dense`` is timed at every skew, with the s
 E/K, the most a top-K router can give one expert, is left out for that E and listed under ``skipped``.
 
 With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
-runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``) and
+runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``),
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
-(``jax_ep.gmm.padded.LADDER_SIZES = 1``). Time per step: the median of 5 batches of back-to-back steps after 2
-warm-ups, each batch ended by ``block_until_ready`` (bench/grouped_matmul.py's ``time_call``). The ratios are taken
-in this run: each row against ``dense``, ``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first
-skew (``moe_over_first_skew``). ``--rows`` times only the rows
-named (``dense`` always), and OUT.json records the run's ``XLA_FLAGS``. TFLOP/s counts the experts' matmul
-FLOPs of a step (3 matmuls forward, 6 backward, ``2*T*K*H*F`` each). Writes OUT.json and prints a table last.
+(``jax_ep.gmm.padded.LADDER_SIZES = 1``) and ``moe_beyond`` with the padded path past its rows
+(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = True``, which matters where an expert fits no padded size). Time
+per step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
+(bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
+``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first skew (``moe_over_first_skew``).
+``--rows`` times only the rows named (``dense`` always), and OUT.json records the run's ``XLA_FLAGS``. TFLOP/s
+counts the experts' matmul FLOPs of a step (3 matmuls forward, 6 backward, ``2*T*K*H*F`` each). Writes OUT.json
+and prints a table last.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_ep  # noqa: E402
+import jax_ep.gmm.grouped_matmul  # noqa: E402
 import jax_ep.gmm.mlp  # noqa: E402
 import jax_ep.gmm.padded  # noqa: E402
 import jax_ep.nn  # noqa: E402
@@ -59,6 +62,7 @@ ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
 ABLATIONS = (
     ("moe_per_op", jax_ep.gmm.mlp, "FUSED", False),
     ("moe_one_size", jax_ep.gmm.padded, "LADDER_SIZES", 1),
+    ("moe_beyond", jax_ep.gmm.grouped_matmul, "BEYOND_BY_DEFAULT", True),
 )
 
 
@@ -77,7 +81,9 @@ def parse_args():
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the rows to time (dense always)")
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
     parser.add_argument(
-        "--ablate", action="store_true", help="also time the layer's expert MLP per op, and with one padded size"
+        "--ablate",
+        action="store_true",
+        help="also time the layer's expert MLP per op, at one padded size, and past its padded sizes",
     )
     return parser.parse_args()
 

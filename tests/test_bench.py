@@ -668,12 +668,13 @@ def test_grouped_matmul_bench_checks_its_skews_before_it_needs_a_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
-    """The layer bench end to end on CPU (backend xla, small shapes): a row per skew, each with the layer, the dense
-    floor and the recipe with jax_ep's grouped matmul, and the layer against its time at the first skew; a skew
-    above E/K is listed as skipped."""
+    """The layer bench end to end on CPU (backend xla, small shapes): a row per skew, each with the layer, its
+    ablations, the dense floor and the recipe with jax_ep's grouped matmul, and the layer against its time at the
+    first skew; a skew above E/K is listed as skipped."""
     out = tmp_path / "layer.json"
     command = [sys.executable, "-m", "bench.moe_layer_baselines", str(out), "--experts", "8", "--skews", "1", "3", "5"]
     command += ["--tokens", "256", "--hidden", "128", "--intermediate", "64", "--topk", "2", "--iters", "1"]
+    command += ["--ablate"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
@@ -681,7 +682,8 @@ def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
     assert [(r["experts"], r["skew"]) for r in rows] == [(8, 1.0), (8, 3.0)]
     assert result["skipped"] == [{"experts": 8, "skew": 5.0, "why": "above E/K = 4"}]
     for row in rows:
-        assert {"moe", "dense", "sort_jax_ep"} <= set(row["ms"]) and min(row["ms"].values()) > 0
+        assert {"moe", "dense", "sort_jax_ep", "moe_per_op", "moe_one_size", "moe_beyond"} <= set(row["ms"])
+        assert min(row["ms"].values()) > 0
     assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
 
 
