@@ -6,6 +6,9 @@
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh bench [SOURCE ...] [-- compare_builds.py arguments]
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh profile [SOURCE ...]  # kernels of one dispatch + combine
 #                                                                    # (ncu), of this build and each SOURCE
+#   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh details [SOURCE ...]  # Nsight Compute's sections of the
+#                                                                    # T=128 dispatch and combine kernels of this build
+#                                                                    # and each SOURCE, side by side
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh split     # kernels of one whole and one split step (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh training  # kernels of one training step, cuda and xla (ncu)
 #   JAX_EP_COMMIT=<sha> bash bench/device_run_one_gpu.sh sanitize  # memcheck, racecheck, synccheck, initcheck
@@ -119,6 +122,20 @@ if [ "$stage" = profile ]; then  # every kernel of one dispatch + combine, from 
       BUILD=$name ncu_summary "$tokens"
     done
   done
+  exit 0
+fi
+if [ "$stage" = details ]; then  # the last call's DispatchKernel and CombineKernel, five sections, per build
+  csvs=()
+  for name in "${names[@]}"; do
+    csv=$OUT/details_128_${name#.}.csv
+    PYTHONPATH="$builds/$name:$repo" timeout -k 10 150 ncu --clock-control none --launch-skip 4 --launch-count 2 \
+      --kernel-name regex:"DispatchKernel|CombineKernel" --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section InstructionStats --csv --page details \
+      --print-units base --log-file "$csv" python3 -m bench.profile_kernels run --tokens 128 \
+      > "/tmp/details_$name.log" 2>&1 || tail -20 "/tmp/details_$name.log"
+    csvs+=("$csv")
+  done
+  [ ${#csvs[@]} -gt 1 ] && PYTHONPATH="$repo" python3 -m bench.profile_kernels compare "${csvs[@]}" | tee "$OUT/details.txt"
   exit 0
 fi
 if [ "$stage" = split ]; then  # every kernel of one step at T=128, whole and split ops next to a matmul (ncu)

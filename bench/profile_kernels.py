@@ -3,6 +3,7 @@
     ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base --log-file K.csv \\
         python -m bench.profile_kernels run [--tokens 4096 --hidden 7168] [--step exchange]
     python -m bench.profile_kernels summarize K.csv OUT.json [--tokens 4096 --hidden 7168] [--step exchange]
+    python -m bench.profile_kernels compare A.csv B.csv [...]
 
 ``run`` calls one jitted dispatch + combine (ragged layout, capacity=None, weights=d.weights) three times, with a
 marker kernel (a jitted ``jnp.cbrt``, whose kernel XLA names after it) just before the last call. With ``--step``
@@ -11,6 +12,9 @@ combine next to a matmul, whole (``dispatch``, ``combine``) or split (``dispatch
 that the kernels of one step of each, XLA's included, can be set side by side; or the one-GPU targets' training
 step (bench/training_step.py: loss and gradients) on backend "cuda" (``training``) or "xla"
 (``training_xla``, whose kernels are all XLA's).
+``compare`` sets profiles of several builds side by side (ncu of the same kernels, any metrics or sections, e.g.
+``--section WarpStateStats --csv --page details``): for each kernel function, its first instance in each file, every
+metric that differs between the files by more than 2% (or in text), one line each.
 ``summarize`` keeps the kernels of the last call (those after the marker), in launch order, and splits them by
 name: dispatch is the
 ``RoutingKernel`` and ``DispatchKernel`` launches, combine the ``CombineKernel`` launches (in a training step also
@@ -304,16 +308,47 @@ def table(payload: dict) -> list[str]:
     return lines
 
 
+def compare(paths: list[Path], tolerance: float = 0.02) -> list[str]:
+    """Lines ``kernel metric: value (file) ...`` for each metric whose values in the files (each kernel function's
+    first instance) differ by more than ``tolerance`` relative to the first, or differ as text; a kernel missing from
+    a file shows as ``-``."""
+    firsts = []
+    for path in paths:
+        seen: dict[str, dict] = {}
+        for kernel in read_kernel_metrics(path):
+            seen.setdefault(kernel["name"], kernel["metrics"])
+        firsts.append(seen)
+    lines = [f"compare: {' | '.join(path.name for path in paths)}"]
+    for name in dict.fromkeys(n for seen in firsts for n in seen):
+        metrics = [seen.get(name, {}) for seen in firsts]
+        for metric in dict.fromkeys(m for values in metrics for m in values):
+            values = [values.get(metric, "-") for values in metrics]
+            numbers = [v for v in values if isinstance(v, float)]
+            if len(numbers) == len(values):
+                base = abs(numbers[0]) or 1.0
+                if max(abs(v - numbers[0]) for v in numbers) <= tolerance * base:
+                    continue
+            elif len(set(map(str, values))) == 1:
+                continue
+            shown = " | ".join(f"{v:,.4g}" if isinstance(v, float) else str(v) for v in values)
+            lines.append(f"{name} {metric}: {shown}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("run", "summarize"))
-    parser.add_argument("paths", nargs="*", type=Path, help="summarize: K.csv OUT.json")
+    parser.add_argument("mode", choices=("run", "summarize", "compare"))
+    parser.add_argument("paths", nargs="*", type=Path, help="summarize: K.csv OUT.json; compare: two CSVs or more")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--step", choices=STEPS, default="exchange", help="what one call runs (see above)")
     args = parser.parse_args()
     if args.mode == "run":
         run(args.tokens, args.hidden, args.step)
+    elif args.mode == "compare":
+        if len(args.paths) < 2:
+            parser.error("compare takes two CSVs or more")
+        print("\n".join(compare(args.paths)))
     elif len(args.paths) != 2:
         parser.error("summarize takes K.csv OUT.json")
     else:

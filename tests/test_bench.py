@@ -226,6 +226,25 @@ def test_profile_summary_splits_the_last_call_by_kernel_name(tmp_path):
     assert [k["name"] for k in result["xla_kernels"]["list"]][:2] == ["wrapped_copy", "input_concatenate_fusion"]
 
 
+def test_profile_compare_lists_the_metrics_that_differ(tmp_path):
+    """bench/profile_kernels.py compare: per kernel function (its first instance), the metrics that differ by more
+    than 2% between the files, or as text; equal ones and those within 2% are left out."""
+    from bench import profile_kernels as profile
+
+    a = [(DISPATCH, 17.0, {"smsp__inst_executed.sum": "1,000", "launch__grid_size": "132", "note": "x"})]
+    a += [(COMBINE, 15.0), (DISPATCH, 99.0)]
+    b = [(DISPATCH, 18.9, {"smsp__inst_executed.sum": "1,010", "launch__grid_size": "132", "note": "y"})]
+    _ncu_csv(tmp_path / "a.csv", [a])
+    _ncu_csv(tmp_path / "b.csv", [b])
+    lines = profile.compare([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert lines[0] == "compare: a.csv | b.csv"
+    assert lines[1:] == [
+        "DispatchKernel gpu__time_duration.sum: 1.7e+04 | 1.89e+04",
+        "DispatchKernel note: x | y",
+        "CombineKernel gpu__time_duration.sum: 1.5e+04 | -",
+    ]
+
+
 def test_profile_summary_of_training_steps(tmp_path):
     """A training step's kernels: combine's backward kernel is an op of its own; the xla step has no jax_ep kernel
     and is told apart by the marker alone."""
