@@ -183,15 +183,12 @@ def _grouped_mlp_at_256_groups(monkeypatch, sizes: np.ndarray):
         np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * float(np.abs(want).max()), err_msg=name)
 
 
-def _sizes_at_256_groups(largest: int) -> np.ndarray:
-    """Routed sizes of 32672 rows in 256 groups, the largest 164 rows; with ``largest`` group 0 takes that many,
-    the rows it gains taken one each from the others."""
-    sizes = routed_sizes(np.random.default_rng(3), 32772 - 100, 256, 176, skew=False)
-    assert padded.row_ladder(32772, 256) == (160, 176, 192) and sizes.max() == 164
-    for i in range(largest - int(sizes[0])):
-        sizes[1 + i % 255] -= 1
-    sizes[0] = max(largest, sizes[0])
-    assert sizes.min() >= 0
+def _sizes_at_256_groups(skew: bool) -> np.ndarray:
+    """Routed sizes of 32672 rows in 256 groups, the largest 164 rows; with ``skew`` group 0 takes rows from the
+    others until it has more than 300 (routed_sizes)."""
+    assert padded.row_ladder(32772, 256) == (160, 176, 192)
+    sizes = routed_sizes(np.random.default_rng(3), 32772 - 100, 256, 290 if skew else 176, skew)
+    assert sizes.max() > 300 if skew else sizes.max() == 164
     return sizes
 
 
@@ -199,12 +196,12 @@ def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
     """The ladder is (160, 176, 192) and the largest group has 164 rows (a size that dropped rows would show)."""
     fake_kernels(monkeypatch, [])
     monkeypatch.setattr(gm, "hopper_available", lambda: True)
-    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(0))
+    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(skew=False))
 
 
 def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch):
-    """With Plan.beyond on, a group of 300 rows fits no size of the ladder: each op then takes the padded path past
-    its rows. The kernels over every row give NaN, so only that path gives the right result."""
+    """With Plan.beyond on, a group of more than 300 rows fits no size of the ladder: each op then takes the padded
+    path past its rows. The kernels over every row give NaN, so only that path gives the right result."""
     fake_kernels(monkeypatch, [])
     monkeypatch.setattr(gm, "hopper_available", lambda: True)
     monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", True)
@@ -218,7 +215,7 @@ def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch):
 
     for name in ("ragged_dot", "transposed_ragged_dot", "upstream_ragged_dot"):
         monkeypatch.setattr(gm._mosaic, name, whole_rows_nan(getattr(gm._mosaic, name)))
-    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(300))
+    _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(skew=True))
 
 
 def test_grouped_mlp_without_hopper_is_the_mlp_of_ragged_dot():
