@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The multi-GPU suite of backend "cuda": ONE device call on a machine of 1, 2, 4 or 8 GPUs, within 9 minutes.
+# The multi-GPU suite of backend "cuda": ONE device call on a machine of 2, 4 or 8 GPUs (two on one GPU: SUITE_PART),
+# within 9 minutes each.
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh                # the suite (same as: bash bench/device_run.sh suite)
+#   JAX_EP_COMMIT=<sha> SUITE_PART=2 bash bench/device_run.sh   # one GPU: the suite's second call (SUITE_PART below)
 #   SUITE_GPUS=8 bash bench/device_run.sh plan                   # the plan for 8 GPUs, each step's limit; runs nothing
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh tests           # every GPU test file in full, nothing else
 #   JAX_EP_COMMIT=<sha> bash bench/device_run.sh bench [ARGS]    # python -m bench.exchange ARGS (default: --suite
@@ -37,8 +39,10 @@
 # deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
 # SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
-# SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP saying so), SUITE_SHARDS (pytest
-# processes of the tests and tests_backend steps; default 4 on one GPU, else 1).
+# SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests and tests_backend; 2 the
+# fuzz steps, bench and sm_budget), SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP
+# saying so; it replaces SUITE_PART), SUITE_SHARDS (pytest processes of the tests and tests_backend steps; default 4
+# on one GPU, else 1).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
 # file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
 # logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
@@ -158,7 +162,20 @@ plan bench $(by_gpus "100 70 50" "120 60 70" "120 60 70") "$nogpu"
 plan sm_budget 60 30 30 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
-if [ -n "${SUITE_ONLY:-}" ]; then
+# On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
+# default 1): the GPU tests, then the fuzzer and the benchmarks.
+ONE_GPU_PARTS=("topo p2p tests tests_backend" "fuzz_r1 fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
+if [ -z "${SUITE_ONLY:-}" ] && [ "$GPUS" -eq 1 ]; then
+  part=${SUITE_PART:-1}
+  case $part in
+    1 | 2) ;;
+    *) echo "SUITE_PART must be 1 or 2, got $part" >&2; exit 2 ;;
+  esac
+  for i in "${!PLAN_NAME[@]}"; do
+    [[ " ${ONE_GPU_PARTS[part - 1]} " == *" ${PLAN_NAME[i]} "* ]] ||
+      PLAN_SKIP[i]=${PLAN_SKIP[i]:-"one GPU: in the other part (SUITE_PART=$((3 - part)))"}
+  done
+elif [ -n "${SUITE_ONLY:-}" ]; then
   for i in "${!PLAN_NAME[@]}"; do
     [[ " $SUITE_ONLY " == *" ${PLAN_NAME[i]} "* ]] || PLAN_SKIP[i]=${PLAN_SKIP[i]:-"not in SUITE_ONLY ($SUITE_ONLY)"}
   done

@@ -771,3 +771,46 @@ def test_run_workers_leaves_no_worker_running_when_interrupted(tmp_path, monkeyp
     assert len(started) == 2
     for worker in started:
         assert worker.wait(timeout=10) == -signal.SIGKILL
+
+
+def _suite_plan(gpus: int, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SUITE_GPUS": str(gpus), **env}
+    env.pop("SUITE_ONLY", None)
+    return subprocess.run(["bash", "bench/device_run.sh", "plan"], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def _planned_steps(plan: str) -> dict[str, str]:
+    """Step name -> "runs", "cut", "no time" (its status when every step takes its limit) or the SKIP reason."""
+    steps = {}
+    for line in plan.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not re.fullmatch(r"[a-z0-9_]+", name) or name in ("step", "plan", "ends"):
+            continue
+        if "SKIP:" in line:
+            steps[name] = line.split("SKIP:", 1)[1].strip()
+        else:
+            steps[name] = "no time" if line.endswith("no time") else line.split()[-1]
+    return steps
+
+
+def test_the_one_gpu_suite_runs_every_step_in_one_of_two_calls():
+    """On one GPU the suite's steps do not fit one call: SUITE_PART 1 and 2 each plan half of them within the
+    deadline, and every step that one GPU can run is in exactly one part."""
+    parts = []
+    for part in ("1", "2"):
+        done = _suite_plan(1, SUITE_PART=part)
+        assert done.returncode == 0, done.stderr
+        parts.append(_planned_steps(done.stdout))
+    assert parts[0].keys() == parts[1].keys() and "tests" in parts[0] and "fuzz_shared8" in parts[1]
+    for name in parts[0]:
+        planned = [steps[name] for steps in parts if steps[name] in ("runs", "cut")]
+        if "needs" in parts[0][name]:  # a step of 2+ GPUs: skipped in both, saying why
+            assert not planned and "needs" in parts[1][name], name
+        else:
+            assert len(planned) == 1, (name, parts[0][name], parts[1][name])
+    assert not any(status == "no time" for steps in parts for status in steps.values())
+    assert _suite_plan(1).stdout == _suite_plan(1, SUITE_PART="1").stdout  # part 1 by default
+    wrong = _suite_plan(1, SUITE_PART="3")
+    assert wrong.returncode == 2 and "SUITE_PART must be 1 or 2" in wrong.stderr
+    # Two GPUs: one call, no part.
+    assert "other part" not in _suite_plan(2).stdout and "runs" in _planned_steps(_suite_plan(2).stdout)["tests"]
