@@ -774,8 +774,11 @@ def test_run_workers_leaves_no_worker_running_when_interrupted(tmp_path, monkeyp
 
 
 def _suite_plan(gpus: int, **env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SUITE_GPUS": str(gpus), **env}
-    env.pop("SUITE_ONLY", None)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("SUITE_ONLY", "SUITE_PART")},
+        "SUITE_GPUS": str(gpus),
+        **env,
+    }
     return subprocess.run(["bash", "bench/device_run.sh", "plan"], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
