@@ -165,19 +165,18 @@ plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all a
 # On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
 # default 1): the GPU tests, then the fuzzer and the benchmarks.
 ONE_GPU_PARTS=("topo p2p tests tests_backend" "fuzz_r1 fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
-if [ -z "${SUITE_ONLY:-}" ] && [ "$GPUS" -eq 1 ]; then
+only=${SUITE_ONLY:-} only_why="not in SUITE_ONLY (${SUITE_ONLY:-})"
+if [ -z "$only" ] && [ "$GPUS" -eq 1 ]; then
   part=${SUITE_PART:-1}
   case $part in
     1 | 2) ;;
     *) echo "SUITE_PART must be 1 or 2, got $part" >&2; exit 2 ;;
   esac
+  only=${ONE_GPU_PARTS[part - 1]} only_why="one GPU: in the other part (SUITE_PART=$((3 - part)))"
+fi
+if [ -n "$only" ]; then
   for i in "${!PLAN_NAME[@]}"; do
-    [[ " ${ONE_GPU_PARTS[part - 1]} " == *" ${PLAN_NAME[i]} "* ]] ||
-      PLAN_SKIP[i]=${PLAN_SKIP[i]:-"one GPU: in the other part (SUITE_PART=$((3 - part)))"}
-  done
-elif [ -n "${SUITE_ONLY:-}" ]; then
-  for i in "${!PLAN_NAME[@]}"; do
-    [[ " $SUITE_ONLY " == *" ${PLAN_NAME[i]} "* ]] || PLAN_SKIP[i]=${PLAN_SKIP[i]:-"not in SUITE_ONLY ($SUITE_ONLY)"}
+    [[ " $only " == *" ${PLAN_NAME[i]} "* ]] || PLAN_SKIP[i]=${PLAN_SKIP[i]:-$only_why}
   done
 fi
 
