@@ -279,7 +279,8 @@ else
 fi
 backend_k=${SUITE_BACKEND_K-$backend_k}
 # The tests and tests_backend steps run their tests in this many pytest processes at once (bench/gpu_tests.py
-# --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them, alone).
+# --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them in as many processes;
+# the whole-GPU measurements last, alone).
 shards=${SUITE_SHARDS:-$([ "$GPUS" -le 1 ] && echo 4 || echo 1)}
 
 for i in "${!PLAN_NAME[@]}"; do

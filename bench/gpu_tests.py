@@ -7,13 +7,15 @@ leaves the outcomes so far; once pytest returns it says ``"complete": true`` and
 (``"interrupted": true`` when pytest stopped on SIGINT, e.g. from ``timeout -s INT``). It runs every tier of the
 files it is given (``-m ""``, before the args: a ``-m`` among them still chooses), the slow and multi-process tests too.
 
-``--shards N`` (N > 1) runs the tests in N pytest processes at once on the same GPU (each without XLA's memory
-preallocation): their time is mostly XLA compiling on the host's cores. Test ``i`` of the collection goes to shard
-``i % N``, except the tests that time peers or need the GPU to themselves (marked ``multiprocess``, or in
-:data:`SERIAL_FILES`), which one more process runs after the shards end. Each process writes ``OUT.json`` with
-the suffix ``.shard<i>`` or ``.serial``; the parent merges them into OUT.json (each case says its ``phase``) while
-they run and once they end, passes SIGINT on to them, and at the end keeps OUT.json and the parts' pytest output
-in OUT.json.log only.
+``--shards N`` (N > 1) runs the tests in three phases of pytest processes on the same GPU (each without XLA's
+memory preallocation), their time mostly XLA compiling on the host's cores:
+1. N shards at once: test ``i`` of the other tests goes to shard ``i % N``;
+2. once they end, N serial processes at once: the tests that wait for peers on timers (marked ``multiprocess``, or
+   in :data:`SERIAL_FILES`), test ``i`` of them to process ``i % N``, so no two of one process overlap;
+3. then one process for the tests that measure the whole GPU (:data:`ALONE_FILES`: its memory, or overlap).
+Each process writes ``OUT.json`` with the suffix ``.shard<i>``, ``.serial<i>`` or ``.alone``; the parent merges
+them into OUT.json (each case says its ``phase``) while they run and once they end, passes SIGINT on to them, and
+at the end keeps OUT.json and the parts' pytest output in OUT.json.log only.
 """
 
 from __future__ import annotations
@@ -29,18 +31,19 @@ from pathlib import Path
 import pytest
 
 KINDS = ("passed", "failure", "error", "skipped")
-# Tests that wait for peers on timers or need the GPU alone: a --shards run gives them a process of their own.
-SERIAL_FILES = (
-    "test_cuda_coresidency.py",
-    "test_cuda_concurrency.py",
-    "test_cuda_finalize.py",
-    "test_cuda_reliability.py",
-)
-_PART = "JAX_EP_GPU_TESTS_PART"  # a child's part of a --shards run: "<i>/<N>" or "serial"
+# Tests that wait for peers on timers: a --shards run gives them processes of their own, after the shards.
+SERIAL_FILES = ("test_cuda_coresidency.py", "test_cuda_finalize.py")
+# Tests that measure the whole GPU (nvidia-smi's memory in use, XLA's overlap of a collective): run last, alone.
+ALONE_FILES = ("test_cuda_concurrency.py", "test_cuda_reliability.py")
+_PART = "JAX_EP_GPU_TESTS_PART"  # a child's part of a --shards run: "shard <i>/<N>", "serial <i>/<N>" or "alone"
 
 
-def _serial(item) -> bool:
-    return item.get_closest_marker("multiprocess") is not None or item.path.name in SERIAL_FILES
+def _phase(item) -> str:
+    if item.path.name in ALONE_FILES:
+        return "alone"
+    if item.get_closest_marker("multiprocess") is not None or item.path.name in SERIAL_FILES:
+        return "serial"
+    return "shard"
 
 
 class Recorder:
@@ -56,11 +59,11 @@ class Recorder:
         part = os.environ.get(_PART)
         if not part:
             return
-        if part == "serial":
-            kept = [item for item in items if _serial(item)]
-        else:
-            shard, shards = (int(v) for v in part.split("/"))
-            kept = [item for item in items if not _serial(item)][shard::shards]
+        phase, _, share = part.partition(" ")
+        kept = [item for item in items if _phase(item) == phase]
+        if share:
+            index, count = (int(v) for v in share.split("/"))
+            kept = kept[index::count]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
 
@@ -128,15 +131,18 @@ def merge(out: Path, parts: list[Path], command: str, interrupted: bool = False)
 
 
 def run_sharded(out: Path, shards: int, args: list[str], command: str) -> int:
-    """The tests of ``args`` in ``shards`` processes at once, then the serial ones in one more; merged into ``out``."""
+    """The tests of ``args`` in the three phases of the module's docstring; merged into ``out``."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "JAX_EP_COMMAND": command}
-    parts = [(out.with_name(f"{out.name}.shard{i}"), f"{i}/{shards}") for i in range(shards)]
-    parts.append((out.with_name(f"{out.name}.serial"), "serial"))
-    paths = [path for path, _ in parts]
+    phases = [
+        [(out.with_name(f"{out.name}.{kind}{i}"), f"{kind} {i}/{shards}") for i in range(shards)]
+        for kind in ("shard", "serial")
+    ]
+    phases.append([(out.with_name(f"{out.name}.alone"), "alone")])
+    paths = [path for phase in phases for path, _ in phase]
     for path in paths:
         path.unlink(missing_ok=True)
     interrupted = False
-    for phase in (parts[:-1], parts[-1:]):
+    for phase in phases:
         children = []
         for path, part in phase:
             with open(path.with_name(path.name + ".log"), "w") as log:
