@@ -39,8 +39,8 @@
 # deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
 # SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
-# SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests and tests_backend; 2 the
-# fuzz steps, bench and sm_budget), SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP
+# SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests, tests_backend and
+# fuzz_r1; 2 the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP
 # saying so; it replaces SUITE_PART), SUITE_SHARDS (pytest processes of the tests and tests_backend steps; default 4
 # on one GPU, else 1).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
@@ -140,31 +140,32 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
   if [ "$GPUS" -le 1 ]; then echo "$1"; elif [ "$GPUS" -le 3 ]; then echo "$2"; else echo "$3"; fi
 }
 # Nominal limit, reserve (kept free for the step by the steps before it) and expected seconds (for `plan`). The
-# one-GPU figures are from runs of the suite at 739ecb8 (+ working tree) on one H200: build 19 s on a fresh machine,
-# the whole suite 346 s (tests 62, tests_backend 126, fuzz_r1 53, fuzz_shared 52, bench 48); the others are
-# estimates. The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
+# one-GPU figures are from the suite at 1d8a982 on one H100: build 19 s on a fresh machine, tests 160, tests_backend
+# 65, fuzz_r1 52, fuzz_shared 45, fuzz_shared4 66 (1,039 cases in 60 s), sm_budget 12; bench stopped at 100 s
+# with two of its four timings left (cuda 2 s, xla 60 s, cuda FP8 7 s); the others are estimates. The fuzz steps
+# run cases until their time is up (--budget-s), so their nominal limit is their reserve.
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
-plan tests $(by_gpus "360 120 240" "150 60 60" "150 60 60") "$nogpu"
-plan tests_backend $(by_gpus "300 60 130" "300 60 160" "90 30 40") "$nogpu"
-plan fuzz_r1 $(by_gpus "60 60 60" "30 30 30" "25 25 25") "$nogpu"
+plan tests $(by_gpus "240 120 160" "150 60 60" "150 60 60") "$nogpu"
+plan tests_backend $(by_gpus "150 60 65" "300 60 160" "90 30 40") "$nogpu"
+plan fuzz_r1 $(by_gpus "40 40 40" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
-plan fuzz_shared 60 60 60 "$shared_skip"
-plan fuzz_shared4 90 90 90 "$shared_skip"
-plan fuzz_shared8 120 120 120 "$shared_skip"
+plan fuzz_shared 45 45 45 "$shared_skip"
+plan fuzz_shared4 80 80 80 "$shared_skip"
+plan fuzz_shared8 150 150 150 "$shared_skip"
 plan fuzz_r2 $(by_gpus "60 60 60" "60 60 60" "35 35 35") "$(need 2)"
 plan fuzz_r4 $([ "$GPUS" -ge 8 ] && echo "40 40 40" || echo "50 50 50") "$(need 4)"
 plan fuzz_r8 60 60 60 "$(need 8)"
 plan concurrency $(by_gpus "100 60 30" "100 60 30" "160 80 60") \
   "$(need 2 "the tests step ran tests/test_cuda_concurrency.py: each mesh skipped")"
-plan bench $(by_gpus "100 70 50" "120 60 70" "120 60 70") "$nogpu"
-plan sm_budget 60 30 30 "$nogpu"
+plan bench $(by_gpus "160 140 140" "120 60 70" "120 60 70") "$nogpu"
+plan sm_budget 40 20 15 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
 # On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
 # default 1): the GPU tests, then the fuzzer and the benchmarks.
-ONE_GPU_PARTS=("topo p2p tests tests_backend" "fuzz_r1 fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
+ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1" "fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
 only=${SUITE_ONLY:-} only_why="not in SUITE_ONLY (${SUITE_ONLY:-})"
 if [ -z "$only" ] && [ "$GPUS" -eq 1 ]; then
   part=${SUITE_PART:-1}

@@ -12,7 +12,8 @@ memory preallocation), their time mostly XLA compiling on the host's cores:
 1. N shards at once: test ``i`` of the other tests goes to shard ``i % N``;
 2. once they end, N serial processes at once: the tests that wait for peers on timers (marked ``multiprocess``, or
    in :data:`SERIAL_FILES`), test ``i`` of them to process ``i % N``, so no two of one process overlap;
-3. then one process for the tests that measure the whole GPU (:data:`ALONE_FILES`: its memory, or overlap).
+3. then one process for the tests that measure or need the whole GPU (:data:`ALONE_FILES`: its memory, XLA's
+   overlap, free SMs).
 Each process writes ``OUT.json`` with the suffix ``.shard<i>``, ``.serial<i>`` or ``.alone``; the parent merges
 them into OUT.json (each case says its ``phase``) while they run and once they end, passes SIGINT on to them, and
 at the end keeps OUT.json and the parts' pytest output in OUT.json.log only.
@@ -32,9 +33,10 @@ import pytest
 
 KINDS = ("passed", "failure", "error", "skipped")
 # Tests that wait for peers on timers: a --shards run gives them processes of their own, after the shards.
-SERIAL_FILES = ("test_cuda_coresidency.py", "test_cuda_finalize.py")
-# Tests that measure the whole GPU (nvidia-smi's memory in use, XLA's overlap of a collective): run last, alone.
-ALONE_FILES = ("test_cuda_concurrency.py", "test_cuda_reliability.py")
+SERIAL_FILES = ("test_cuda_finalize.py",)
+# Tests that measure or need the whole GPU (nvidia-smi's memory in use, XLA's overlap of a collective, SMs left
+# free beside a stand-in collective, which failed beside the serial processes on one H100): run last, alone.
+ALONE_FILES = ("test_cuda_concurrency.py", "test_cuda_coresidency.py", "test_cuda_reliability.py")
 _PART = "JAX_EP_GPU_TESTS_PART"  # a child's part of a --shards run: "shard <i>/<N>", "serial <i>/<N>" or "alone"
 
 

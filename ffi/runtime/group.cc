@@ -80,6 +80,28 @@ GroupView DeviceResources::View() const {
   return view;
 }
 
+uint64_t DeviceResources::FlagFrom(int source, uint64_t call) const {
+  if (source < 0 || source >= kMaxRanks || signals == nullptr) return 0;
+  uint64_t flag = 0;
+  int previous = -1;
+  cudaStream_t stream = nullptr;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
+  // A handler may ask while XLA captures its stream: relaxed, this thread's calls on a stream of its own are allowed.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess) {  // waits for no kernel
+    if (cudaMemcpyAsync(&flag, &signals->flag[call & 1][source], sizeof(flag), cudaMemcpyDeviceToHost, stream) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      flag = 0;
+    }
+    cudaStreamDestroy(stream);
+  }
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  cudaSetDevice(previous);
+  return flag;
+}
+
 std::string DeviceResources::Failure() const {
   const volatile HostStatus* s = status;
   const int code = s->code;
@@ -99,16 +121,21 @@ std::string DeviceResources::Failure() const {
              " after the timeout_s given to jax_ep.initialize" + out_of_step + ". Find why rank " + Str(s->peer) +
              " stopped or came late (a crashed or stalled process, a hung GPU, a computation that runs on only part "
              "of the mesh)";
-    case kOutOfOrder:
-      if (s->seen >> kTagNumberShift == s->call) {
-        return "jax_ep: " + who + " met rank " + peer + " in another jax_ep call at the same position: that rank ran " +
-               OpName(static_cast<int>(s->seen & 0xff)) + " from call site " + Str(SiteOf(s->seen)) + " where this " +
-               "GPU ran " + call + ". The ranks took different branches to jax_ep calls (a lax.cond or "
+    case kOutOfOrder: {
+      // What the other rank ran: the tag this GPU's wait saw, or, when another rank saw the failure and told this
+      // GPU, that rank's own call (the flag it raised here before it waited), if that was at this position.
+      const uint64_t seen = s->relayed ? FlagFrom(s->reporter, s->call) : s->seen;
+      if (seen >> kTagNumberShift == s->call && seen != s->tag) {
+        const std::string other = s->relayed ? "rank " + Str(s->reporter) : "that rank";
+        return "jax_ep: " + who + " met rank " + peer + " in another jax_ep call at the same position: " + other +
+               " ran " + OpName(static_cast<int>(seen & 0xff)) + " from call site " + Str(SiteOf(seen)) +
+               " where this GPU ran " + call + ". The ranks took different branches to jax_ep calls (a lax.cond or "
                "lax.switch on a value that differs between ranks), or ran independent calls in different orders; "
                "jax_ep.Group.check() names the call sites of this process" + out_of_step;
       }
       return "jax_ep: " + who + " met rank " + peer +
              " in another call: the ranks issued the group's jax_ep calls in different orders" + out_of_step;
+    }
     case kWrongRank:
       return "jax_ep: on " + who + ", lax.axis_index " + Str(s->peer) +
              " differs from the kernels' rank (the rank jax_ep.initialize gave that GPU): the mesh inside shard_map "
