@@ -35,7 +35,7 @@ KINDS = ("passed", "failure", "error", "skipped")
 # Tests that wait for peers on timers: a --shards run gives them processes of their own, after the shards.
 SERIAL_FILES = ("test_cuda_finalize.py",)
 # Tests that measure or need the whole GPU (nvidia-smi's memory in use, XLA's overlap of a collective, SMs left
-# free beside a stand-in collective, which failed beside the serial processes on one H100): run last, alone.
+# free beside a stand-in collective): run last, alone.
 ALONE_FILES = ("test_cuda_concurrency.py", "test_cuda_coresidency.py", "test_cuda_reliability.py")
 _PART = "JAX_EP_GPU_TESTS_PART"  # a child's part of a --shards run: "shard <i>/<N>", "serial <i>/<N>" or "alone"
 

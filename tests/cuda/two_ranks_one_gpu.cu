@@ -42,11 +42,13 @@ T* Device(const std::vector<T>& host) {
   return p;
 }
 
+// Zeroed before it returns: the ranks' streams do not wait for the legacy stream that cudaMemset runs on.
 template <typename T>
 T* Zeros(size_t count) {
   T* p = nullptr;
   cudaMalloc(&p, count * sizeof(T));
   cudaMemset(p, 0, count * sizeof(T));
+  cudaDeviceSynchronize();
   return p;
 }
 
