@@ -40,9 +40,9 @@
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
 # SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
 # SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests, tests_backend and
-# fuzz_r1; 2 the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..." (run only these steps, and the build; the others are a SKIP
-# saying so; it replaces SUITE_PART), SUITE_SHARDS (pytest processes of the tests and tests_backend steps; default 4
-# on one GPU, else 1).
+# fuzz_r1; 2 the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..." (run only
+# these steps, and the build; the others are a SKIP saying so; it replaces SUITE_PART), SUITE_SHARDS (pytest
+# processes of the tests and tests_backend steps; default 4 on one GPU, else 1).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
 # file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
 # logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
@@ -142,8 +142,8 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
 # Nominal limit, reserve (kept free for the step by the steps before it) and expected seconds (for `plan`). The
 # one-GPU figures are from the suite at 1d8a982 on one H100: build 19 s on a fresh machine, tests 160, tests_backend
 # 65, fuzz_r1 52, fuzz_shared 45, fuzz_shared4 66 (1,039 cases in 60 s), sm_budget 12; bench stopped at 100 s
-# with two of its four timings left (cuda 2 s, xla 60 s, cuda FP8 7 s); the others are estimates. The fuzz steps
-# run cases until their time is up (--budget-s), so their nominal limit is their reserve.
+# with one of its four timings left (cuda 2 s, xla 60 s, cuda FP8 7 s, then xla FP8); the others are estimates.
+# The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
