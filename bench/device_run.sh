@@ -164,7 +164,7 @@ plan sm_budget 40 20 15 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
 # On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
-# default 1): the GPU tests, then the fuzzer and the benchmarks.
+# default 1): the GPU tests and the fuzzer at R=1, then the fuzzer with processes sharing the GPU and the benchmarks.
 ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1" "fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
 only=${SUITE_ONLY:-} only_why="not in SUITE_ONLY (${SUITE_ONLY:-})"
 if [ -z "$only" ] && [ "$GPUS" -eq 1 ]; then

@@ -82,10 +82,10 @@ GroupView DeviceResources::View() const {
 
 uint64_t DeviceResources::FlagFrom(int source, uint64_t call) const {
   if (source < 0 || source >= kMaxRanks || signals == nullptr) return 0;
+  DeviceGuard guard;
+  if (cudaSetDevice(ordinal) != cudaSuccess) return 0;
   uint64_t flag = 0;
-  int previous = -1;
   cudaStream_t stream = nullptr;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(ordinal) != cudaSuccess) return 0;
   // A handler may ask while XLA captures its stream: relaxed, this thread's calls on a stream of its own are allowed.
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   cudaThreadExchangeStreamCaptureMode(&mode);
@@ -98,7 +98,6 @@ uint64_t DeviceResources::FlagFrom(int source, uint64_t call) const {
     cudaStreamDestroy(stream);
   }
   cudaThreadExchangeStreamCaptureMode(&mode);
-  cudaSetDevice(previous);
   return flag;
 }
 
