@@ -20,14 +20,16 @@
 #                     it (the one_gpu group); 2-3 GPUs: the 2-GPU groups, peer stores ("auto") in full, NCCL ("nccl")
 #                     without its shape sweeps (matches_xla, fp8, combine_backward, small_sm, split_ops); 4+ GPUs: a
 #                     smoke of "auto" (the file uses 2 GPUs, which the 2-GPU suite covers).
+#   tests_gpu         1 GPU: the tests marked gpu in the other tests/test_*.py files (grouped matmul and MLP, row
+#                     copies, checkpointing, ...); 2+ GPUs: a SKIP, none needs 2 GPUs
 #   fuzz_r1           tools/fuzz.py, R=1 (cases until its time is up: --budget-s)
 #   fuzz_shared       1 GPU: R=2 as two processes sharing GPU 0 (--processes 2)
 #   fuzz_shared4/8    1 GPU: R=4 and R=8 as processes sharing GPU 0 (peer stores through CUDA IPC)
 #   fuzz_r2/r4/r8     R GPUs of one process (--ranks R), R <= GPUs. fuzz.py has no process-per-GPU mode: its
 #                     --processes puts every process on GPU 0; one process per GPU is covered by the tests step.
 #   concurrency       tests/test_cuda_concurrency.py on the meshes of all GPUs (ep2; ep4 + dp2xep2; ep8 + dp2xep4)
-#   bench             python -m bench.exchange --suite training --no-ragged: cuda and xla against the peer copy (none
-#                     on one GPU)
+#   bench             python -m bench.exchange --suite training --no-ragged: cuda and xla against the peer copy; one
+#                     GPU: cuda alone, no peer copy
 #   sm_budget         bench/sm_budget.py: the training-size dispatch and combine at R=1 on GPU 0 with the default SM
 #                     budget of a group of several GPUs against every SM
 #   ragged_one_shot   XLA's ragged_all_to_all round trip at the training shape with its one-shot kernel (2+ GPUs;
@@ -40,9 +42,9 @@
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
 # SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
 # SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests, tests_backend and
-# fuzz_r1; 2 the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..." (run only
-# these steps, and the build; the others are a SKIP saying so; it replaces SUITE_PART), SUITE_SHARDS (pytest
-# processes of the tests and tests_backend steps; default 4 on one GPU, else 1).
+# fuzz_r1; 2 tests_gpu, the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..."
+# (run only these steps, and the build; the others are a SKIP saying so; it replaces SUITE_PART), SUITE_SHARDS
+# (pytest processes of the tests, tests_backend and tests_gpu steps; default 4 on one GPU, else 1).
 # Results: $OUT/suite.json (bench/suite_report.py: each step's name, status, seconds, limit, reason, log and result
 # file; GPU count, devices, commit, sources hash, command), $OUT/suite.log (this output) and $OUT/logs.tar.gz (the
 # logs/ folder: each step's log and result JSON; packed, and the folder removed, because the device tool brings
@@ -141,14 +143,17 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
 }
 # Nominal limit, reserve (kept free for the step by the steps before it) and expected seconds (for `plan`). The
 # one-GPU figures are from the suite at 1d8a982 on one H100: build 19 s on a fresh machine, tests 160, tests_backend
-# 65, fuzz_r1 52, fuzz_shared 45, fuzz_shared4 66 (1,039 cases in 60 s), sm_budget 12; bench stopped at 100 s
-# with one of its four timings left (cuda 2 s, xla 60 s, cuda FP8 7 s, then xla FP8); the others are estimates.
+# 65, fuzz_r1 52, fuzz_shared 45, fuzz_shared4 66 (1,039 cases in 60 s), sm_budget 12; bench's timings of backend
+# cuda took 2 s (bf16) and 7 s (FP8), the rest of its 100 s went to backend xla, which one GPU now leaves out. The
+# others are estimates (tests_gpu: its grouped-matmul and row-copy files, all 152 tests, took 288 s in one
+# process at cef2c37; it runs their 71 GPU tests and 9 others in SUITE_SHARDS processes).
 # The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
 plan tests $(by_gpus "240 120 160" "150 60 60" "150 60 60") "$nogpu"
 plan tests_backend $(by_gpus "150 60 65" "300 60 160" "90 30 40") "$nogpu"
+plan tests_gpu 150 90 90 "$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" || echo "$nogpu")"
 plan fuzz_r1 $(by_gpus "40 40 40" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
 plan fuzz_shared 45 45 45 "$shared_skip"
@@ -159,13 +164,13 @@ plan fuzz_r4 $([ "$GPUS" -ge 8 ] && echo "40 40 40" || echo "50 50 50") "$(need 
 plan fuzz_r8 60 60 60 "$(need 8)"
 plan concurrency $(by_gpus "100 60 30" "100 60 30" "160 80 60") \
   "$(need 2 "the tests step ran tests/test_cuda_concurrency.py: each mesh skipped")"
-plan bench $(by_gpus "160 140 140" "120 60 70" "120 60 70") "$nogpu"
+plan bench $(by_gpus "40 30 25" "120 60 70" "120 60 70") "$nogpu"
 plan sm_budget 40 20 15 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
 # On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
 # default 1): the GPU tests and the fuzzer at R=1, then the fuzzer with processes sharing the GPU and the benchmarks.
-ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1" "fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
+ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1" "tests_gpu fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
 only=${SUITE_ONLY:-} only_why="not in SUITE_ONLY (${SUITE_ONLY:-})"
 if [ -z "$only" ] && [ "$GPUS" -eq 1 ]; then
   part=${SUITE_PART:-1}
@@ -279,7 +284,7 @@ else
   backend_k="auto and (pairs_go or gradients or matches_xla and uniform and bf16 or many_calls)"
 fi
 backend_k=${SUITE_BACKEND_K-$backend_k}
-# The tests and tests_backend steps run their tests in this many pytest processes at once (bench/gpu_tests.py
+# The tests, tests_backend and tests_gpu steps run their tests in this many pytest processes at once (bench/gpu_tests.py
 # --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them in as many processes;
 # the whole-GPU measurements last, alone).
 shards=${SUITE_SHARDS:-$([ "$GPUS" -le 1 ] && echo 4 || echo 1)}
@@ -320,6 +325,12 @@ for i in "${!PLAN_NAME[@]}"; do
     tests_backend)
       run_step tests_backend "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" \
         tests/test_cuda_backend.py ${backend_k:+-k "$backend_k"} ;;
+    tests_gpu)
+      files=()
+      for f in tests/test_*.py; do
+        [[ $f == tests/test_cuda_* ]] || files+=("$f")
+      done
+      run_step tests_gpu "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" "${files[@]}" -m gpu ;;
     fuzz_r*)
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
@@ -338,7 +349,9 @@ for i in "${!PLAN_NAME[@]}"; do
       JAX_EP_CONCURRENCY_TIMEOUT_S=$((each < 90 ? 90 : each)) run_step concurrency "$limit" "$result" \
         python3 -m bench.gpu_tests "$result" tests/test_cuda_concurrency.py -k "$concurrency_k" ;;
     bench)
-      run_step bench "$limit" "$result" python3 -m bench.exchange "$result" --suite training --no-ragged --iters 20 ;;
+      # One GPU: backend cuda alone (backend xla at R=1 is a local gather, and compiling it took 60 s at 1d8a982).
+      run_step bench "$limit" "$result" python3 -m bench.exchange "$result" --suite training --no-ragged --iters 20 \
+        $([ "$GPUS" -le 1 ] && echo "--backends cuda") ;;
     sm_budget)
       run_step sm_budget "$limit" "$result" python3 -m bench.sm_budget "$result" ;;
     incast)

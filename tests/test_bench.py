@@ -809,6 +809,7 @@ def test_the_one_gpu_suite_runs_every_step_in_one_of_two_calls():
         assert done.returncode == 0, done.stderr
         parts.append(_planned_steps(done.stdout))
     assert parts[0].keys() == parts[1].keys() and "tests" in parts[0] and "fuzz_shared8" in parts[1]
+    assert parts[1]["tests_gpu"] == "runs"  # the GPU tests outside tests/test_cuda_*.py
     for name in parts[0]:
         planned = [steps[name] for steps in parts if steps[name] in ("runs", "cut")]
         if "needs" in parts[0][name]:  # a step of 2+ GPUs: skipped in both, saying why
@@ -821,3 +822,4 @@ def test_the_one_gpu_suite_runs_every_step_in_one_of_two_calls():
     assert wrong.returncode == 2 and "SUITE_PART must be 1 or 2" in wrong.stderr
     two = _suite_plan(2).stdout  # two GPUs: one call, no part
     assert "other part" not in two and _planned_steps(two)["tests"] == "runs"
+    assert "left to the one-GPU suite" in _planned_steps(two)["tests_gpu"]
