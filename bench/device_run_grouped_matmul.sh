@@ -19,6 +19,11 @@ OUT=${OUT:-/tmp/jax_ep_out}
 repo=$(pwd)
 mkdir -p "$OUT"
 export JAX_EP_COMMIT=${JAX_EP_COMMIT:-unknown}
+# WHEELS may also be a folder of .whl files (bench/README.md lists tokamax's): they are installed into a site first.
+if [ -n "${WHEELS:-}" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/wheels_site "$WHEELS"/*.whl || exit 1
+  WHEELS=/tmp/wheels_site
+fi
 
 (JAX_EP_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target /tmp/jax_ep_site "$repo" \
   > "$OUT/build.log" 2>&1; echo $? > "$OUT/build.rc") &
