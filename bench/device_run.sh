@@ -153,7 +153,8 @@ plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
 plan tests $(by_gpus "240 120 160" "150 60 60" "150 60 60") "$nogpu"
 plan tests_backend $(by_gpus "150 60 65" "300 60 160" "90 30 40") "$nogpu"
-plan tests_gpu 150 90 90 "$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" || echo "$nogpu")"
+alone=$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" || echo "$nogpu")
+plan tests_gpu 150 90 90 "$alone"
 plan fuzz_r1 $(by_gpus "40 40 40" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
 plan fuzz_shared 45 45 45 "$shared_skip"
@@ -169,8 +170,10 @@ plan sm_budget 40 20 15 "$nogpu"
 plan ragged_one_shot 60 30 40 "$(need 2 "an exchange between GPUs")"
 plan incast 20 10 2 "$(need 4 "an exchange that one GPU could receive from all at once")"
 # On one GPU the steps take longer than one call's deadline, so they run in two parts, one call each (SUITE_PART,
-# default 1): the GPU tests and the fuzzer at R=1, then the fuzzer with processes sharing the GPU and the benchmarks.
-ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1" "tests_gpu fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
+# default 1): the CUDA backend's GPU tests and the fuzzer at R=1, then the other GPU tests, the fuzzer with processes
+# sharing the GPU and the benchmarks.
+ONE_GPU_PARTS=("topo p2p tests tests_backend fuzz_r1"
+  "tests_gpu fuzz_shared fuzz_shared4 fuzz_shared8 bench sm_budget")
 only=${SUITE_ONLY:-} only_why="not in SUITE_ONLY (${SUITE_ONLY:-})"
 if [ -z "$only" ] && [ "$GPUS" -eq 1 ]; then
   part=${SUITE_PART:-1}
@@ -284,9 +287,9 @@ else
   backend_k="auto and (pairs_go or gradients or matches_xla and uniform and bf16 or many_calls)"
 fi
 backend_k=${SUITE_BACKEND_K-$backend_k}
-# The tests, tests_backend and tests_gpu steps run their tests in this many pytest processes at once (bench/gpu_tests.py
-# --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them in as many processes;
-# the whole-GPU measurements last, alone).
+# The tests, tests_backend and tests_gpu steps run their tests in this many pytest processes at once
+# (bench/gpu_tests.py --shards: XLA's compiles on the host's cores; the multi-process and timed tests after them in
+# as many processes; the whole-GPU measurements last, alone).
 shards=${SUITE_SHARDS:-$([ "$GPUS" -le 1 ] && echo 4 || echo 1)}
 
 for i in "${!PLAN_NAME[@]}"; do
@@ -330,7 +333,8 @@ for i in "${!PLAN_NAME[@]}"; do
       for f in tests/test_*.py; do
         [[ $f == tests/test_cuda_* ]] || files+=("$f")
       done
-      run_step tests_gpu "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" "${files[@]}" -m gpu ;;
+      run_step tests_gpu "$limit" "$result" python3 -m bench.gpu_tests "$result" --shards "$shards" "${files[@]}" \
+        -m gpu ;;
     fuzz_r*)
       ranks=${name#fuzz_r}
       overhead=$([ "$ranks" -ge 4 ] && echo 20 || echo 10)  # start, compiling the buckets, the report (2 s at R=1)
