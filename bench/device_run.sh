@@ -153,8 +153,9 @@ plan p2p 45 15 5 "$nogpu"
 # shellcheck disable=SC2046  # by_gpus gives three words
 plan tests $(by_gpus "240 120 160" "150 60 60" "150 60 60") "$nogpu"
 plan tests_backend $(by_gpus "150 60 65" "300 60 160" "90 30 40") "$nogpu"
-alone=$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" || echo "$nogpu")
-plan tests_gpu 150 90 90 "$alone"
+tests_gpu_skip=$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" \
+  || echo "$nogpu")
+plan tests_gpu 150 90 90 "$tests_gpu_skip"
 plan fuzz_r1 $(by_gpus "40 40 40" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
 plan fuzz_shared 45 45 45 "$shared_skip"
