@@ -209,6 +209,16 @@ def test_expert_alignment_not_an_int():
         trace_dispatch(expert_alignment=2.0)
 
 
+def test_ragged_segments_past_int32():
+    """An alignment (capped at capacity + 1) that would push the ragged layout's segment starts past int32 fails
+    before anything runs, naming expert_alignment; one row less traces."""
+    capacity = (2**31 - 1 - R * T * K) // L  # L * capacity + R * T * K is the last span that fits
+    trace_dispatch(capacity=capacity, expert_alignment=capacity + 1)
+    with pytest.raises(ValueError, match=mentions("expert_alignment", "int32", str(capacity + 2))):
+        trace_dispatch(capacity=capacity + 1, expert_alignment=capacity + 2)
+    trace_dispatch(capacity=capacity + 1, expert_alignment=capacity + 2, layout="expert")
+
+
 @pytest.mark.parametrize("policy", ["first", "Balanced", None])
 def test_unknown_drop_policy(policy):
     with pytest.raises(ValueError, match=mentions("drop_policy", "balanced", "expert", repr(policy))):

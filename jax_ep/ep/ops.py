@@ -283,6 +283,16 @@ def _dispatch_config(
     # An alignment past the capacity fits no segment of a slot: C + 1 keeps both drop policies' layouts (nothing
     # kept under "balanced", every row past C cut under "expert") with segment starts that stay small.
     expert_alignment = min(expert_alignment, capacity + 1)
+    if layout == "ragged":
+        # Both backends place the ragged layout's segments in int32: every slot that can arrive, with each local
+        # expert's alignment padding, must stay within its range.
+        span = num_ranks * num_tokens * topk + num_experts // num_ranks * (expert_alignment - 1)
+        if span > _INT32.max:
+            raise ValueError(
+                f"the ragged layout's segments span up to {span} rows (R * T * K slots plus expert_alignment - 1 "
+                f"rows for each of the {num_experts // num_ranks} local experts), past int32's {_INT32.max}; lower "
+                f"expert_alignment (now {expert_alignment}) or capacity"
+            )
     resolved, group = _resolve_backend(backend, axis_name, num_ranks, topk, num_experts)
     return Config(
         axis_name=axis_name,
