@@ -152,7 +152,9 @@ __device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32
   return lo;
 }
 
-// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables.
+// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables. kSearch: drop policy "balanced"
+// where slots can drop (p.balanced); an instance of its own, so that the others carry none of its code.
+template <bool kSearch>
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
   const int R = g.num_ranks, me = g.rank;
@@ -194,7 +196,7 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   // The segments: "expert" keeps the first C rows of the layout of every slot; "balanced" gives each expert
   // min(n_l, c) rows (and its padding), c as large as fits.
   int32_t level = INT32_MAX;
-  if (p.balanced) {
+  if constexpr (kSearch) {
     level = BalancedLevel(p, t, first, last);
     mine = 0;
     for (int32_t l = first; l < last; ++l) mine += Padded(std::min(t.total[l], level), p.align);
@@ -338,9 +340,9 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   return may_run;
 }
 
-// kRoute: this launch routes (RouteAndCheck); a separate instance, so that launches that do not route carry none
-// of its code.
-template <bool kRoute>
+// kRoute: this launch routes (RouteAndCheck); kSearch: BuildTables<kSearch>. Separate instances, so that each
+// launch carries only the code it runs.
+template <bool kRoute, bool kSearch>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   // With the routing in the kernel (RouteAndCheck): its scratch, then its rows, where the row tables go after it.
   extern __shared__ uint4 shared_words[];
@@ -407,7 +409,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t L = p.local_experts;
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, table_memory + R * L + 2 * L,
                       recv_count, &data_end};
-  BuildTables(p, g, call, scratch, tables);
+  BuildTables<kSearch>(p, g, call, scratch, tables);
   if (blockIdx.x == 0 && at.warp == 0) WriteCounts(p, g, scratch, tables, at.lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
   const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
@@ -514,7 +516,9 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    const auto kernel = route && send ? DispatchKernel<true> : DispatchKernel<false>;
+    const bool search = receive && p.balanced;
+    const auto kernel = route && send ? (search ? DispatchKernel<true, true> : DispatchKernel<true, false>)
+                                      : (search ? DispatchKernel<false, true> : DispatchKernel<false, false>);
     kernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
   };
@@ -526,7 +530,8 @@ Status PrepareKernels() {
   if (status.ok()) status = PrepareCombineKernels();
   if (status.ok()) status = PrepareCombineBackwardKernels();
   if (!status.ok()) return status;
-  for (const auto kernel : {DispatchKernel<false>, DispatchKernel<true>}) {
+  for (const auto kernel : {DispatchKernel<false, false>, DispatchKernel<false, true>, DispatchKernel<true, false>,
+                            DispatchKernel<true, true>}) {
     const cudaError_t error =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
     if (error != cudaSuccess) {
