@@ -96,6 +96,7 @@ struct Tables {
   int32_t* keep_end;
   int32_t* recv_count;  // [R] tokens received from each rank
   int32_t* data_end;    // rows up to the end of the last segment (ragged), N (expert)
+  int32_t* dropped;     // [kWarps], block 0: each warp's slots that the capacity drops
 };
 constexpr int64_t kTableArraysOfL = 3;  // seg_start, total, keep_end (and start, R of them)
 
@@ -152,13 +153,16 @@ __device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32
   return lo;
 }
 
-// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables. kSearch: drop policy "balanced"
-// where slots can drop (p.balanced); an instance of its own, so that the others carry none of its code.
+// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables. Block 0 also writes group_sizes
+// and expert_load, a thread per expert, and each warp's dropped slots (WriteCounts sums them). kSearch: drop policy
+// "balanced" where slots can drop (p.balanced); an instance of its own, so that the others carry none of its code.
 template <bool kSearch>
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
   const int R = g.num_ranks, me = g.rank;
   const int32_t L = static_cast<int32_t>(p.local_experts);
+  const int64_t C = p.capacity;
+  const bool writes_counts = blockIdx.x == 0;
   auto count_of = [&](int r, int32_t l) -> int32_t {
     if (r == me) return l < L ? scratch[p.s.expert_count + me * L + l] : scratch[p.s.rank_count + me];
     const int32_t* counts = reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
@@ -185,56 +189,59 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     t.total[l] = running;
     mine += Padded(running, p.align);
   }
+  int32_t dropped = 0;
   if (p.expert_layout) {
     for (int32_t l = first; l < last; ++l) {
-      t.keep_end[l] = static_cast<int32_t>(std::min<int64_t>(t.total[l], p.capacity));
+      const int32_t total = t.total[l], kept = static_cast<int32_t>(std::min<int64_t>(total, C));
+      t.keep_end[l] = kept;
+      if (writes_counts) {
+        p.received.group_sizes[l] = kept;
+        p.received.expert_load[l] = total;
+        dropped += total - kept;
+      }
     }
     if (threadIdx.x == 0) *t.data_end = static_cast<int32_t>(p.num_rows);
-    __syncthreads();
-    return;
+  } else {
+    // The segments: "expert" keeps the first C rows of the layout of every slot; "balanced" gives each expert
+    // min(n_l, c) rows (and its padding), c as large as fits, so its segments always fit.
+    int32_t level = INT32_MAX;
+    if constexpr (kSearch) {
+      level = BalancedLevel(p, t, first, last);
+      mine = 0;
+      for (int32_t l = first; l < last; ++l) mine += Padded(std::min(t.total[l], level), p.align);
+    }
+    int32_t before = BlockExclusiveSum(mine);
+    for (int32_t l = first; l < last; ++l) {
+      t.seg_start[l] = before;
+      for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
+      const int32_t total = t.total[l], rows = Padded(std::min(total, level), p.align);
+      const int32_t kept = static_cast<int32_t>(std::clamp<int64_t>(C - before, 0, std::min(total, level)));
+      t.keep_end[l] = before + kept;
+      if (writes_counts) {  // the segment, up to the capacity
+        p.received.group_sizes[l] =
+            static_cast<int32_t>(std::min<int64_t>(before + rows, C) - std::min<int64_t>(before, C));
+        p.received.expert_load[l] = total;
+        dropped += total - kept;
+      }
+      before += rows;
+      if (l == L - 1) *t.data_end = static_cast<int32_t>(std::min<int64_t>(before, C));
+    }
   }
-  // The segments: "expert" keeps the first C rows of the layout of every slot; "balanced" gives each expert
-  // min(n_l, c) rows (and its padding), c as large as fits.
-  int32_t level = INT32_MAX;
-  if constexpr (kSearch) {
-    level = BalancedLevel(p, t, first, last);
-    mine = 0;
-    for (int32_t l = first; l < last; ++l) mine += Padded(std::min(t.total[l], level), p.align);
-  }
-  int32_t before = BlockExclusiveSum(mine);
-  for (int32_t l = first; l < last; ++l) {
-    t.seg_start[l] = before;
-    for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
-    const int32_t kept = std::min(t.total[l], level);
-    t.keep_end[l] = before + static_cast<int32_t>(std::clamp<int64_t>(p.capacity - before, 0, kept));
-    before += Padded(kept, p.align);
-    if (l == L - 1) *t.data_end = static_cast<int32_t>(std::min<int64_t>(before, p.capacity));
+  if (writes_counts) {
+    dropped = __reduce_add_sync(0xffffffffu, dropped);
+    if (threadIdx.x % 32 == 0) t.dropped[threadIdx.x / 32] = dropped;
   }
   __syncthreads();
 }
 
-// Warp 0 of block 0: group_sizes, num_dropped, num_invalid, send_counts, recv_counts.
+// Warp 0 of block 0, after BuildTables: num_dropped, num_invalid, send_counts, recv_counts.
 __device__ void WriteCounts(const DispatchParams& p, const GroupView& g, const int32_t* scratch, const Tables& t,
                             int lane) {
-  const int64_t C = p.capacity;
-  int32_t dropped = 0;
-  for (int64_t l = lane; l < p.local_experts; l += 32) {
-    const int32_t total = t.total[l], kept = t.keep_end[l] - (p.expert_layout ? 0 : t.seg_start[l]);
-    int32_t size = kept;
-    if (!p.expert_layout) {  // the segment, up to the capacity ("balanced" segments always fit)
-      const int64_t seg = t.seg_start[l];
-      const int32_t rows = Padded(p.balanced ? kept : total, p.align);
-      size = static_cast<int32_t>(std::min<int64_t>(seg + rows, C) - std::min<int64_t>(seg, C));
-    }
-    p.received.group_sizes[l] = size;
-    p.received.expert_load[l] = total;
-    dropped += total - kept;
-  }
   for (int r = lane; r < g.num_ranks; r += 32) {
     p.received.recv_counts[r] = t.recv_count[r];
     p.received.send_counts[r] = scratch[p.s.rank_count + r];
   }
-  dropped = __reduce_add_sync(0xffffffffu, dropped);
+  const int32_t dropped = __reduce_add_sync(0xffffffffu, lane < kWarps ? t.dropped[lane] : 0);
   if (lane == 0) {
     *p.received.num_dropped = dropped;
     *p.received.num_invalid = scratch[p.s.num_invalid];
@@ -350,6 +357,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ int32_t recv_count[kMaxRanks];
   __shared__ int32_t data_end;
+  __shared__ int32_t dropped_of_warp[kWarps];
   const Call call = CurrentCall(g, kOpDispatch, p.origin);
   const GridWarp<kWarps> at;
   const int R = g.num_ranks, me = g.rank;
@@ -408,7 +416,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
 
   const int64_t L = p.local_experts;
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, table_memory + R * L + 2 * L,
-                      recv_count, &data_end};
+                      recv_count, &data_end, dropped_of_warp};
   BuildTables<kSearch>(p, g, call, scratch, tables);
   if (blockIdx.x == 0 && at.warp == 0) WriteCounts(p, g, scratch, tables, at.lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
