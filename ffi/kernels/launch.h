@@ -87,6 +87,7 @@ inline int DefaultNumSms(int device_sms, int num_ranks) {
 struct Signals {
   uint64_t flag[2][kMaxRanks];  // [call parity][source]: tag of the call whose data `source` finished storing here
   uint64_t abort;               // 0, or AbortWord(code, reporter, peer): the group is out of step
+  uint64_t told[kMaxRanks];     // [source]: the tag of source's own call when it set abort here (Fail)
   uint64_t calls;               // calls of the group completed on this GPU
   uint64_t open;                // tag of the call whose start ran and whose finish has not, else 0
   uint32_t send_next;           // the next share of a send phase to claim (SendShares)
@@ -106,7 +107,7 @@ struct HostStatus {
   int32_t relayed;       // 1: `reporter` is another rank, which saw the failure first and told this one
   uint64_t call;         // its call number
   uint64_t tag;          // its tag
-  uint64_t seen;         // the flag value a wait saw last
+  uint64_t seen;         // the flag value a wait saw last; relayed: the reporter's own call tag (Signals::told)
   uint64_t nccl_started;  // call number of the latest NCCL swap enqueued (written by the send kernel)
   uint64_t nccl_done;     // ... of the latest one finished (written by the receive kernel)
   int32_t nccl_first;     // 1: the latest swap enqueued is the first call of its FFI instance (first-call timeout)

@@ -107,19 +107,26 @@ __device__ inline void OpenCall(const GroupView& g, const Call& call) {
 __device__ inline void Report(const GroupView& g, const Call& call, uint64_t word, uint64_t seen) {
   volatile HostStatus* status = g.status;
   if (status->code != 0 || atomicCAS(&g.signals->reported, 0u, 1u) != 0u) return;
+  const int reporter = static_cast<int>((word >> 16) & 0xffff);
+  const bool relayed = (word & kRelayed) != 0;
+  if (relayed) {
+    __threadfence_system();  // the abort word was read: the reporter's tag, stored before it, is visible
+    seen = reporter < kMaxRanks ? Volatile(&g.signals->told[reporter]) : 0;
+  }
   status->peer = static_cast<int32_t>(word & 0xffff);
-  status->reporter = static_cast<int32_t>((word >> 16) & 0xffff);
+  status->reporter = reporter;
   status->op = call.op;
   status->call = call.number;
   status->tag = call.tag;
   status->seen = seen;
-  status->relayed = (word & kRelayed) != 0;
+  status->relayed = relayed;
   __threadfence_system();
   status->code = static_cast<int32_t>((word >> 32) & 0xff);
   __threadfence_system();
 }
 
-// Records a failure seen by this rank and tells every peer-store rank, whose waits then give up at once.
+// Records a failure seen by this rank and tells every peer-store rank, whose waits then give up at once, with
+// this rank's own call tag first (Signals::told): a peer at the same position names the call this rank ran.
 __device__ inline void Fail(const GroupView& g, const Call& call, int code, int peer, uint64_t seen) {
   const uint64_t word = AbortWord(code, g.rank, peer);
   const auto old = atomicCAS_system(reinterpret_cast<unsigned long long*>(&g.signals->abort), 0ull, word);
@@ -128,6 +135,10 @@ __device__ inline void Fail(const GroupView& g, const Call& call, int code, int 
     return;
   }
   Report(g, call, word, seen);
+  for (int r = 0; r < g.num_ranks; ++r) {
+    if (r != g.rank && !ByNccl(g.nccl_ranks, r)) StoreRelaxed(&g.peers->signals[r]->told[g.rank], call.tag);
+  }
+  __threadfence_system();  // the tags before the abort words
   const uint64_t told = word | kRelayed;
   for (int r = 0; r < g.num_ranks; ++r) {
     if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;

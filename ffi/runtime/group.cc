@@ -80,27 +80,6 @@ GroupView DeviceResources::View() const {
   return view;
 }
 
-uint64_t DeviceResources::FlagFrom(int source, uint64_t call) const {
-  if (source < 0 || source >= kMaxRanks || signals == nullptr) return 0;
-  DeviceGuard guard;
-  if (cudaSetDevice(ordinal) != cudaSuccess) return 0;
-  uint64_t flag = 0;
-  cudaStream_t stream = nullptr;
-  // A handler may ask while XLA captures its stream: relaxed, this thread's calls on a stream of its own are allowed.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess) {  // waits for no kernel
-    if (cudaMemcpyAsync(&flag, &signals->flag[call & 1][source], sizeof(flag), cudaMemcpyDeviceToHost, stream) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(stream) != cudaSuccess) {
-      flag = 0;
-    }
-    cudaStreamDestroy(stream);
-  }
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  return flag;
-}
-
 std::string DeviceResources::Failure() const {
   const volatile HostStatus* s = status;
   const int code = s->code;
@@ -122,8 +101,8 @@ std::string DeviceResources::Failure() const {
              "of the mesh)";
     case kOutOfOrder: {
       // What the other rank ran: the tag this GPU's wait saw, or, when another rank saw the failure and told this
-      // GPU, that rank's own call (the flag it raised here before it waited), if that was at this position.
-      const uint64_t seen = s->relayed ? FlagFrom(s->reporter, s->call) : s->seen;
+      // GPU, that rank's own call (Signals::told), if that was at this position.
+      const uint64_t seen = s->seen;
       if (seen >> kTagNumberShift == s->call && seen != s->tag) {
         const std::string other = s->relayed ? "rank " + Str(s->reporter) : "that rank";
         return "jax_ep: " + who + " met rank " + peer + " in another jax_ep call at the same position: " + other +

@@ -46,9 +46,6 @@ struct DeviceResources {
   GroupView View() const;
   // "" or what the kernels recorded on this GPU, in words.
   std::string Failure() const;
-  // The flag rank `source` last raised on this GPU for calls of `call`'s parity (0 if unreadable): a copy on a
-  // stream of its own, for Failure only.
-  uint64_t FlagFrom(int source, uint64_t call) const;
 };
 
 // How one rank of a group is reached: through NCCL, a GPU of this process, or CUDA IPC handles from the
