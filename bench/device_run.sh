@@ -145,8 +145,8 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
 # one-GPU figures are from the suite at 1d8a982 on one H100: build 19 s on a fresh machine, tests 160, tests_backend
 # 65, fuzz_r1 52, fuzz_shared 45, fuzz_shared4 66 (1,039 cases in 60 s), sm_budget 12; bench's timings of backend
 # cuda took 2 s (bf16) and 7 s (FP8), the rest of its 100 s went to backend xla, which one GPU now leaves out. The
-# others are estimates (tests_gpu: its grouped-matmul and row-copy files, all 152 tests, took 288 s in one
-# process at cef2c37; it runs their 71 GPU tests and 9 others in SUITE_SHARDS processes).
+# others are estimates; tests_gpu's 80 tests took 108-131 s in 4 shards at 10f10a4 (one H100), before its 4
+# whole_gpu tests moved to a process of their own after the shards.
 # The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
@@ -155,7 +155,7 @@ plan tests $(by_gpus "240 120 160" "150 60 60" "150 60 60") "$nogpu"
 plan tests_backend $(by_gpus "150 60 65" "300 60 160" "90 30 40") "$nogpu"
 tests_gpu_skip=$([ "$GPUS" -ge 2 ] && echo "left to the one-GPU suite (SUITE_PART=2): none needs 2 GPUs" \
   || echo "$nogpu")
-plan tests_gpu 150 90 90 "$tests_gpu_skip"
+plan tests_gpu 180 120 140 "$tests_gpu_skip"
 plan fuzz_r1 $(by_gpus "40 40 40" "30 30 30" "25 25 25") "$nogpu"
 shared_skip=$([ "$GPUS" -ge 2 ] && echo "two processes on GPU 0: left to the one-GPU suite" || echo "$nogpu")
 plan fuzz_shared 45 45 45 "$shared_skip"

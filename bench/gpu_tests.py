@@ -13,7 +13,7 @@ memory preallocation), their time mostly XLA compiling on the host's cores:
 2. once they end, N serial processes at once: the tests that wait for peers on timers (marked ``multiprocess``, or
    in :data:`SERIAL_FILES`), test ``i`` of them to process ``i % N``, so no two of one process overlap;
 3. then one process for the tests that measure or need the whole GPU (:data:`ALONE_FILES`: its memory, XLA's
-   overlap, free SMs).
+   overlap, free SMs; and tests marked ``whole_gpu``, whose memory would not fit beside the shards).
 Each process writes ``OUT.json`` with the suffix ``.shard<i>``, ``.serial<i>`` or ``.alone``; the parent merges
 them into OUT.json (each case says its ``phase``) while they run and once they end, passes SIGINT on to them, and
 at the end keeps OUT.json and the parts' pytest output in OUT.json.log only.
@@ -41,7 +41,7 @@ _PART = "JAX_EP_GPU_TESTS_PART"  # a child's part of a --shards run: "shard <i>/
 
 
 def _phase(item) -> str:
-    if item.path.name in ALONE_FILES:
+    if item.path.name in ALONE_FILES or item.get_closest_marker("whole_gpu") is not None:
         return "alone"
     if item.get_closest_marker("multiprocess") is not None or item.path.name in SERIAL_FILES:
         return "serial"

@@ -315,10 +315,11 @@ def test_gpu_tests_records_every_outcome(tmp_path):
 @pytest.mark.slow
 def test_gpu_tests_in_shards_runs_each_test_once_in_its_phase(tmp_path):
     """--shards 2: the parallel tests split over two processes; after them the multi-process and serial-file tests
-    over two more, one each; last the whole-GPU file alone. Each test once, merged into one file with every outcome
-    and part, pytest's worst exit code."""
+    over two more, one each; last the whole-GPU file and the test marked whole_gpu alone. Each test once, merged
+    into one file with every outcome and part, pytest's worst exit code."""
     body = "import pytest\n" + "".join(f"def test_ok{i}(): pass\n" for i in range(5)) + "def test_bad(): assert False\n"
-    (tmp_path / "test_sample.py").write_text(body + "@pytest.mark.multiprocess\ndef test_peers(): pass\n")
+    body += "@pytest.mark.multiprocess\ndef test_peers(): pass\n@pytest.mark.whole_gpu\ndef test_big(): pass\n"
+    (tmp_path / "test_sample.py").write_text(body)
     (tmp_path / "test_cuda_finalize.py").write_text("def test_timers(): pass\n")
     (tmp_path / "test_cuda_reliability.py").write_text("def test_whole_gpu(): pass\n")
     command = [sys.executable, "-m", "bench.gpu_tests", str(tmp_path / "out.json"), "--shards", "2"]
@@ -329,11 +330,11 @@ def test_gpu_tests_in_shards_runs_each_test_once_in_its_phase(tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["complete"] and result["pytest_exit"] == 1
     assert result["parts"] == ["shard0", "shard1", "serial0", "serial1", "alone"]
-    assert result["summary"] == {"passed": 8, "failure": 1, "error": 0, "skipped": 0}
+    assert result["summary"] == {"passed": 9, "failure": 1, "error": 0, "skipped": 0}
     phases = {case["test"].split("::")[-1]: case["phase"] for case in result["tests"]}
-    assert len(result["tests"]) == len(phases) == 9
+    assert len(result["tests"]) == len(phases) == 10
     assert sorted([phases["test_peers"], phases["test_timers"]]) == ["serial0", "serial1"]
-    assert phases["test_whole_gpu"] == "alone"
+    assert phases["test_whole_gpu"] == phases["test_big"] == "alone"
     shards = [name for name, phase in phases.items() if phase.startswith("shard")]
     assert sorted(shards) == sorted([f"test_ok{i}" for i in range(5)] + ["test_bad"])
     assert {phases[name] for name in shards} == {"shard0", "shard1"}

@@ -281,6 +281,7 @@ def test_bad_arguments():
 
 
 @hopper
+@pytest.mark.whole_gpu  # its float32 reference: XLA's autotuner asked for 8 GiB beside three shards on an H100
 @pytest.mark.parametrize("beyond", [False, True], ids=["kernels_past_it", "beyond"])
 @pytest.mark.parametrize("skew", [False, True], ids=["fits", "too_large"])
 def test_mosaic_grouped_mlp_at_256_groups(monkeypatch, skew, beyond):
