@@ -64,9 +64,11 @@ __device__ inline StagedSlot LoadStagedSlot(const StagedSlot* slot, int64_t loca
   return s;
 }
 
-// A count as a peer staged it, kept within [0, most].
-__device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
-  const int32_t value = __ldcg(count);
+// A count as a peer staged it (0 where `staged` is false: no load), kept within [0, most]. A select, not a branch:
+// an unrolled loop over the ranks then runs the same straight code whatever the group's size.
+__device__ inline int32_t StagedCount(const int32_t* count, int64_t most, bool staged = true) {
+  int32_t value = 0;
+  if (staged) value = __ldcg(count);
   return value < 0 ? 0 : (value > most ? static_cast<int32_t>(most) : value);
 }
 
@@ -163,23 +165,29 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   const int32_t L = static_cast<int32_t>(p.local_experts);
   const int64_t C = p.capacity;
   const bool writes_counts = blockIdx.x == 0;
-  auto count_of = [&](int r, int32_t l) -> int32_t {
-    if (r == me) return l < L ? scratch[p.s.expert_count + me * L + l] : scratch[p.s.rank_count + me];
-    const int32_t* counts = reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
-    return StagedCount(counts + l, l < L ? p.num_tokens * p.topk : p.num_tokens);  // [L]: tokens from r
+  auto staged_by = [&](int r) {  // [L + 1]: r's slots for each local expert, then its tokens
+    return reinterpret_cast<const int32_t*>(RegionFrom(g, call, r, p.region.bytes) + p.region.counts);
   };
-  for (int r = threadIdx.x; r < R; r += blockDim.x) t.recv_count[r] = count_of(r, L);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : StagedCount(staged_by(r) + L, p.num_tokens);
+  }
   // Each thread a run of consecutive experts (one while L <= kThreads): start[r * L + l] within l's segment and
   // total[l], then, once the segments' starts are known, start[] moved to them.
   const int32_t per_thread = (L + kThreads - 1) / kThreads;
   const int32_t first = threadIdx.x * per_thread, last = std::min<int32_t>(L, first + per_thread);
   int32_t mine = 0;
   for (int32_t l = first; l < last; ++l) {
+    const int32_t own = scratch[p.s.expert_count + me * L + l];
     int32_t running = 0;
     for (int r0 = 0; r0 < R; r0 += 8) {  // eight loads in flight at once: they come from L2, one per rank
       int32_t counts[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) counts[j] = r0 + j < R ? count_of(r0 + j, l) : 0;
+      for (int j = 0; j < 8; ++j) {
+        const int r = r0 + j;
+        const bool peer = r < R && r != me;
+        const int32_t staged = StagedCount(staged_by(peer ? r : me) + l, p.num_tokens * p.topk, peer);
+        counts[j] = r == me ? own : staged;
+      }
 #pragma unroll
       for (int j = 0; j < 8 && r0 + j < R; ++j) {
         t.start[(r0 + j) * L + l] = running;
