@@ -64,11 +64,9 @@ __device__ inline StagedSlot LoadStagedSlot(const StagedSlot* slot, int64_t loca
   return s;
 }
 
-// A count as a peer staged it (0 where `staged` is false: no load), kept within [0, most]. A select, not a branch:
-// an unrolled loop over the ranks then runs the same straight code whatever the group's size.
-__device__ inline int32_t StagedCount(const int32_t* count, int64_t most, bool staged = true) {
-  int32_t value = 0;
-  if (staged) value = __ldcg(count);
+// A count as a peer staged it, kept within [0, most].
+__device__ inline int32_t StagedCount(const int32_t* count, int64_t most) {
+  const int32_t value = __ldcg(count);
   return value < 0 ? 0 : (value > most ? static_cast<int32_t>(most) : value);
 }
 
@@ -155,9 +153,11 @@ __device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32
   return lo;
 }
 
-// Two barriers: the totals' padded prefix (BlockExclusiveSum), then the tables. Block 0 also writes group_sizes
-// and expert_load, a thread per expert, and each warp's dropped slots (WriteCounts sums them). kSearch: drop policy
-// "balanced" where slots can drop (p.balanced); an instance of its own, so that the others carry none of its code.
+// Three barriers: the counts in start[], the totals' padded prefix (BlockExclusiveSum), then the tables. Block 0 also
+// writes group_sizes and expert_load, a thread per expert, and each warp's dropped slots (WriteCounts sums them).
+// kSearch: drop policy "balanced" where slots can drop (p.balanced); an instance of its own, so that the others carry
+// none of its code. The loops over a thread's experts (mostly one) stay rolled: at small sizes each warp runs its
+// code about once, and the kernel waits on fetching it (Nsight Compute's "no instruction" stalls).
 template <bool kSearch>
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
@@ -171,34 +171,35 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     t.recv_count[r] = r == me ? scratch[p.s.rank_count + me] : StagedCount(staged_by(r) + L, p.num_tokens);
   }
+  // Rank r's slots for local expert l into start[r * L + l], a thread per pair: the peers' counts, from L2, all in
+  // flight at once, in little code.
+  for (int32_t i = threadIdx.x; i < R * L; i += blockDim.x) {
+    const int r = i / L;
+    const int32_t l = i - r * L;
+    t.start[i] = r == me ? scratch[p.s.expert_count + me * L + l]
+                         : StagedCount(staged_by(r) + l, p.num_tokens * p.topk);
+  }
+  __syncthreads();
   // Each thread a run of consecutive experts (one while L <= kThreads): start[r * L + l] within l's segment and
   // total[l], then, once the segments' starts are known, start[] moved to them.
   const int32_t per_thread = (L + kThreads - 1) / kThreads;
   const int32_t first = threadIdx.x * per_thread, last = std::min<int32_t>(L, first + per_thread);
   int32_t mine = 0;
+#pragma unroll 1
   for (int32_t l = first; l < last; ++l) {
-    const int32_t own = scratch[p.s.expert_count + me * L + l];
     int32_t running = 0;
-    for (int r0 = 0; r0 < R; r0 += 8) {  // eight loads in flight at once: they come from L2, one per rank
-      int32_t counts[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int r = r0 + j;
-        const bool peer = r < R && r != me;
-        const int32_t staged = StagedCount(staged_by(peer ? r : me) + l, p.num_tokens * p.topk, peer);
-        counts[j] = r == me ? own : staged;
-      }
-#pragma unroll
-      for (int j = 0; j < 8 && r0 + j < R; ++j) {
-        t.start[(r0 + j) * L + l] = running;
-        running += counts[j];
-      }
+#pragma unroll 1
+    for (int r = 0; r < R; ++r) {
+      const int32_t count = t.start[r * L + l];
+      t.start[r * L + l] = running;
+      running += count;
     }
     t.total[l] = running;
     mine += Padded(running, p.align);
   }
   int32_t dropped = 0;
   if (p.expert_layout) {
+#pragma unroll 1
     for (int32_t l = first; l < last; ++l) {
       const int32_t total = t.total[l], kept = static_cast<int32_t>(std::min<int64_t>(total, C));
       t.keep_end[l] = kept;
@@ -216,11 +217,14 @@ __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const C
     if constexpr (kSearch) {
       level = BalancedLevel(p, t, first, last);
       mine = 0;
+#pragma unroll 1
       for (int32_t l = first; l < last; ++l) mine += Padded(std::min(t.total[l], level), p.align);
     }
     int32_t before = BlockExclusiveSum(mine);
+#pragma unroll 1
     for (int32_t l = first; l < last; ++l) {
       t.seg_start[l] = before;
+#pragma unroll 1
       for (int r = 0; r < R; ++r) t.start[r * L + l] += before;
       const int32_t total = t.total[l], rows = Padded(std::min(total, level), p.align);
       const int32_t kept = static_cast<int32_t>(std::clamp<int64_t>(C - before, 0, std::min(total, level)));
