@@ -153,8 +153,9 @@ __device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32
   return lo;
 }
 
-// Three barriers: the counts in start[], the totals' padded prefix (BlockExclusiveSum), then the tables. Block 0 also
-// writes group_sizes and expert_load, a thread per expert, and each warp's dropped slots (WriteCounts sums them).
+// Barriers: after the counts in start[], in the ragged layout's padded prefix (BlockExclusiveSum, and BlockSum's in
+// the balanced search), after the tables. Block 0 also writes group_sizes and expert_load, a thread per expert, and
+// each warp's dropped slots (WriteCounts sums them).
 // kSearch: drop policy "balanced" where slots can drop (p.balanced); an instance of its own, so that the others carry
 // none of its code. The loops over a thread's experts (mostly one) stay rolled: at small sizes each warp runs its
 // code about once, and the kernel waits on fetching it (Nsight Compute's "no instruction" stalls).
