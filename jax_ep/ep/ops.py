@@ -286,12 +286,13 @@ def _dispatch_config(
     if layout == "ragged":
         # Both backends place the ragged layout's segments in int32: every slot that can arrive, with each local
         # expert's alignment padding, must stay within its range.
-        span = num_ranks * num_tokens * topk + num_experts // num_ranks * (expert_alignment - 1)
+        local_experts = num_experts // num_ranks
+        span = num_ranks * num_tokens * topk + local_experts * (expert_alignment - 1)
         if span > _INT32.max:
             raise ValueError(
-                f"the ragged layout's segments span up to {span} rows (R * T * K slots plus expert_alignment - 1 "
-                f"rows for each of the {num_experts // num_ranks} local experts), past int32's {_INT32.max}; lower "
-                f"expert_alignment (now {expert_alignment}) or capacity"
+                f"jax_ep: the ragged layout's segments span up to {span} rows (R * T * K slots plus "
+                f"expert_alignment - 1 rows for each of the {local_experts} local experts), past int32's "
+                f"{_INT32.max}; lower expert_alignment (now {expert_alignment}) or capacity"
             )
     resolved, group = _resolve_backend(backend, axis_name, num_ranks, topk, num_experts)
     return Config(
