@@ -40,7 +40,8 @@
 # Limits: each step has a nominal limit and a reserve; it runs for at most its nominal limit, and for less when the
 # deadline (SUITE_DEADLINE_S, default 540 s after the script starts, the build included) minus the reserves of the
 # steps after it leaves less. `plan` prints them. Other knobs: SUITE_BUILD=0 (use the jax_ep already installed),
-# SUITE_BUILD_S (default 240), SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
+# SUITE_BUILD_S and SUITE_BUILD_MIN_S (the build's limit at most and at least: 240 and 90 s by default),
+# SUITE_FUZZ_SEED (default: from the clock; each report names it), SUITE_KEEP_LOGS=1,
 # SUITE_PART=1|2 (one GPU, whose steps need two calls: 1, the default, runs topo, p2p, tests, tests_backend and
 # fuzz_r1; 2 tests_gpu, the fuzz steps of processes sharing GPU 0, bench and sm_budget), SUITE_ONLY="step ..."
 # (run only these steps, and the build; the others are a SKIP saying so; it replaces SUITE_PART), SUITE_SHARDS
@@ -199,9 +200,21 @@ limit_of() {  # INDEX START: the step's limit if it starts START seconds into th
   echo $((left < PLAN_NOMINAL[i] ? left : PLAN_NOMINAL[i]))
 }
 
+# The build's limit: what the deadline leaves after the reserves of the steps, at most SUITE_BUILD_S (default 240)
+# and at least SUITE_BUILD_MIN_S (default 90): a build cut short fails every step, while the steps after a long build
+# are trimmed to the deadline.
+build_limit() {
+  local i reserve=0 left cap=${SUITE_BUILD_S:-240}
+  for i in "${!PLAN_NAME[@]}"; do [ -z "${PLAN_SKIP[i]}" ] && reserve=$((reserve + PLAN_RESERVE[i])); done
+  left=$((DEADLINE - SECONDS - reserve - REPORT_S - 10))
+  left=$((left > ${SUITE_BUILD_MIN_S:-90} ? left : ${SUITE_BUILD_MIN_S:-90}))
+  echo $((left < cap ? left : cap))
+}
+
 if [ "$mode" = plan ]; then  # the limits when every step takes its expected time, and when it takes its whole limit
   build=${SUITE_PLAN_BUILD_S:-20}
   echo "plan for $GPUS GPU(s), deadline $DEADLINE s, the build taking $build s (SUITE_PLAN_BUILD_S)"
+  echo "build: limit $(build_limit) s"
   printf "%-16s %7s %7s %8s | %21s | %21s\n" "" "" "" "" "steps take expected" "steps take the limit"
   printf "%-16s %7s %7s %8s | %6s %6s %7s | %6s %6s %7s\n" step nominal reserve expected start limit status \
     start limit status
@@ -262,11 +275,7 @@ build_failed=""
 if [ "${SUITE_BUILD:-1}" = 0 ]; then
   say "build: skipped (SUITE_BUILD=0): using the jax_ep that python3 imports"
 else
-  reserve=0
-  for i in "${!PLAN_NAME[@]}"; do [ -z "${PLAN_SKIP[i]}" ] && reserve=$((reserve + PLAN_RESERVE[i])); done
-  limit=$((DEADLINE - SECONDS - reserve - REPORT_S - 10))
-  limit=$((limit < ${SUITE_BUILD_S:-240} ? limit : ${SUITE_BUILD_S:-240}))
-  run_step build "$limit" "" python3 -m pip install --no-build-isolation --no-deps -v -e .
+  run_step build "$(build_limit)" "" python3 -m pip install --no-build-isolation --no-deps -v -e .
   if ! tail -1 "$STEPS_FILE" | grep -q '"status": "PASS"'; then
     build_failed="the build failed (logs/build.log)"
     grep -v -E "^\s*$" "$LOGS/build.log" | tail -40 | tee -a "$SUITE_LOG"

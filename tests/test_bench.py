@@ -801,6 +801,23 @@ def _planned_steps(plan: str) -> dict[str, str]:
     return steps
 
 
+def test_the_suite_gives_its_build_a_floor_and_a_cap():
+    """The build's limit is what the deadline leaves after the steps' reserves, but never below SUITE_BUILD_MIN_S
+    (a deadline that left it 25 s stopped a fresh machine's build at that limit) and never above SUITE_BUILD_S."""
+
+    def build_limit(**env: str) -> int:
+        done = _suite_plan(1, **env)
+        assert done.returncode == 0, done.stderr
+        return int(re.search(r"^build: limit (\d+) s$", done.stdout, re.M).group(1))
+
+    tight = dict(SUITE_ONLY="tests tests_backend", SUITE_DEADLINE_S="225")
+    assert build_limit(**tight) == 90
+    assert build_limit(**tight, SUITE_BUILD_MIN_S="30") == 30
+    assert build_limit(**tight, SUITE_BUILD_MIN_S="0") == 25  # 225 - 120 - 60 reserved - 10 report - 10 grace
+    assert build_limit() == 240
+    assert build_limit(SUITE_BUILD_S="60") == 60
+
+
 def test_the_one_gpu_suite_runs_every_step_in_one_of_two_calls():
     """On one GPU the suite's steps do not fit one call: SUITE_PART 1 and 2 each plan half of them within the
     deadline, and every step that one GPU can run is in exactly one part."""
