@@ -191,12 +191,18 @@ if [ -n "$only" ]; then
   done
 fi
 
-limit_of() {  # INDEX START: the step's limit if it starts START seconds into the script
-  local i=$1 start=$2 reserve=0 j left
+time_left() {  # INDEX START: what the deadline leaves a step (INDEX; -1: the build) that starts START seconds into
+  # the script, after the reserves of the steps after it that run
+  local i=$1 start=$2 reserve=0 j
   for ((j = i + 1; j < ${#PLAN_NAME[@]}; j++)); do
     [ -z "${PLAN_SKIP[j]}" ] && reserve=$((reserve + PLAN_RESERVE[j]))
   done
-  left=$((DEADLINE - start - reserve - REPORT_S - 10))  # 10: the SIGKILL grace of `timeout -k`
+  echo $((DEADLINE - start - reserve - REPORT_S - 10))  # 10: the SIGKILL grace of `timeout -k`
+}
+
+limit_of() {  # INDEX START: the step's limit if it starts START seconds into the script
+  local i=$1 left
+  left=$(time_left "$i" "$2")
   echo $((left < PLAN_NOMINAL[i] ? left : PLAN_NOMINAL[i]))
 }
 
@@ -204,9 +210,8 @@ limit_of() {  # INDEX START: the step's limit if it starts START seconds into th
 # and at least SUITE_BUILD_MIN_S (default 90): a build cut short fails every step, while the steps after a long build
 # are trimmed to the deadline.
 build_limit() {
-  local i reserve=0 left cap=${SUITE_BUILD_S:-240}
-  for i in "${!PLAN_NAME[@]}"; do [ -z "${PLAN_SKIP[i]}" ] && reserve=$((reserve + PLAN_RESERVE[i])); done
-  left=$((DEADLINE - SECONDS - reserve - REPORT_S - 10))
+  local left cap=${SUITE_BUILD_S:-240}
+  left=$(time_left -1 "$SECONDS")
   left=$((left > ${SUITE_BUILD_MIN_S:-90} ? left : ${SUITE_BUILD_MIN_S:-90}))
   echo $((left < cap ? left : cap))
 }
