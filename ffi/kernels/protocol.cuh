@@ -102,69 +102,50 @@ __device__ inline void OpenCall(const GroupView& g, const Call& call) {
   MarkFirstCallMade(g, call);
 }
 
-// What Fail and Report read of a group and a call. The two are cold: they stay out of line, their arguments in
-// registers, so that the kernels' hot code stays small (at small sizes the kernels wait on instruction fetch).
-struct FailSite {
-  Signals* signals;
-  const PeerTable* peers;
-  HostStatus* status;
-  uint64_t nccl_ranks, tag, number;
-  int rank, num_ranks, op;
-};
-__device__ inline FailSite FailSiteOf(const GroupView& g, const Call& call) {
-  return FailSite{g.signals, g.peers, g.status, g.nccl_ranks, call.tag, call.number, g.rank, g.num_ranks, call.op};
-}
-
 // Writes the host status from the abort word, once per GPU: the first thread to claim Signals::reported, unless
 // the watchdog wrote it first.
-__device__ __noinline__ inline void ReportAt(const FailSite s, uint64_t word, uint64_t seen) {
-  volatile HostStatus* status = s.status;
-  if (status->code != 0 || atomicCAS(&s.signals->reported, 0u, 1u) != 0u) return;
+__device__ inline void Report(const GroupView& g, const Call& call, uint64_t word, uint64_t seen) {
+  volatile HostStatus* status = g.status;
+  if (status->code != 0 || atomicCAS(&g.signals->reported, 0u, 1u) != 0u) return;
   const int reporter = static_cast<int>((word >> 16) & 0xffff);
   const bool relayed = (word & kRelayed) != 0;
   if (relayed) {
     __threadfence_system();  // the abort word was read: the reporter's tag, stored before it, is visible
-    seen = reporter < kMaxRanks ? Volatile(&s.signals->told[reporter]) : 0;
+    seen = reporter < kMaxRanks ? Volatile(&g.signals->told[reporter]) : 0;
   }
   status->peer = static_cast<int32_t>(word & 0xffff);
   status->reporter = reporter;
-  status->op = s.op;
-  status->call = s.number;
-  status->tag = s.tag;
+  status->op = call.op;
+  status->call = call.number;
+  status->tag = call.tag;
   status->seen = seen;
   status->relayed = relayed;
   __threadfence_system();
   status->code = static_cast<int32_t>((word >> 32) & 0xff);
   __threadfence_system();
 }
-__device__ inline void Report(const GroupView& g, const Call& call, uint64_t word, uint64_t seen) {
-  ReportAt(FailSiteOf(g, call), word, seen);
-}
 
 // Records a failure seen by this rank and tells every peer-store rank, whose waits then give up at once, with
 // this rank's own call tag first (Signals::told): a peer at the same position names the call this rank ran.
-__device__ __noinline__ inline void FailAt(const FailSite s, int code, int peer, uint64_t seen) {
-  const uint64_t word = AbortWord(code, s.rank, peer);
-  const auto old = atomicCAS_system(reinterpret_cast<unsigned long long*>(&s.signals->abort), 0ull, word);
+__device__ inline void Fail(const GroupView& g, const Call& call, int code, int peer, uint64_t seen) {
+  const uint64_t word = AbortWord(code, g.rank, peer);
+  const auto old = atomicCAS_system(reinterpret_cast<unsigned long long*>(&g.signals->abort), 0ull, word);
   if (old != 0) {
-    ReportAt(s, old, seen);
+    Report(g, call, old, seen);
     return;
   }
-  ReportAt(s, word, seen);
-  for (int r = 0; r < s.num_ranks; ++r) {
-    if (r != s.rank && !ByNccl(s.nccl_ranks, r)) StoreRelaxed(&s.peers->signals[r]->told[s.rank], s.tag);
+  Report(g, call, word, seen);
+  for (int r = 0; r < g.num_ranks; ++r) {
+    if (r != g.rank && !ByNccl(g.nccl_ranks, r)) StoreRelaxed(&g.peers->signals[r]->told[g.rank], call.tag);
   }
   __threadfence_system();  // the tags before the abort words
   const uint64_t told = word | kRelayed;
-  for (int r = 0; r < s.num_ranks; ++r) {
-    if (r == s.rank || ByNccl(s.nccl_ranks, r)) continue;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    if (r == g.rank || ByNccl(g.nccl_ranks, r)) continue;
     // A plain store: PCIe P2P often lacks remote atomics, and any nonzero word stops the peer.
-    StoreRelaxed(&s.peers->signals[r]->abort, told);
+    StoreRelaxed(&g.peers->signals[r]->abort, told);
   }
   __threadfence_system();
-}
-__device__ inline void Fail(const GroupView& g, const Call& call, int code, int peer, uint64_t seen) {
-  FailAt(FailSiteOf(g, call), code, peer, seen);
 }
 
 // True when the group is out of step (this GPU's abort word, read as `word`, is set, or, with NCCL ranks and
