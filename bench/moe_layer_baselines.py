@@ -24,8 +24,8 @@ E/K, the most a top-K router can give one expert, is left out for that E and lis
 With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
 runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``),
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
-(``jax_ep.gmm.padded.LADDER_SIZES = 1``) and ``moe_beyond`` with the padded path past its rows
-(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = True``, which matters where an expert fits no padded size). Time
+(``jax_ep.gmm.padded.LADDER_SIZES = 1``) and ``moe_no_beyond`` without the padded path past its rows
+(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = False``, which matters where an expert fits no padded size). Time
 per step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
 (bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
 ``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first skew (``moe_over_first_skew``).
@@ -62,7 +62,7 @@ ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
 ABLATIONS = (
     ("moe_per_op", jax_ep.gmm.mlp, "FUSED", False),
     ("moe_one_size", jax_ep.gmm.padded, "LADDER_SIZES", 1),
-    ("moe_beyond", jax_ep.gmm.grouped_matmul, "BEYOND_BY_DEFAULT", True),
+    ("moe_no_beyond", jax_ep.gmm.grouped_matmul, "BEYOND_BY_DEFAULT", False),
 )
 
 

@@ -110,8 +110,8 @@ BEYOND_GROUPS = 16
 # group is larger than the padded rows, instead of sending them to their kernels: at 256 groups under skewed sizes
 # it was the faster for the forward pass and dx, and for dw within a few percent or faster; at 32 groups the kernels
 # were; the MoE layer's step at 256 experts was 4-8% faster with it under skewed routing and no slower uniform
-# (docs/maintainers/performance_notes.md). Off until the GPU tests run at the commit that turns it on.
-BEYOND_BY_DEFAULT = False
+# (docs/maintainers/performance_notes.md).
+BEYOND_BY_DEFAULT = True
 
 
 def _pick(op: str, k: int, n: int) -> Blocks | None:
