@@ -814,20 +814,25 @@ def test_the_suite_gives_its_build_a_floor_and_a_cap():
     assert build_limit(**tight) == 90
     assert build_limit(**tight, SUITE_BUILD_MIN_S="30") == 30
     assert build_limit(**tight, SUITE_BUILD_MIN_S="0") == 25  # 225 - 120 - 60 reserved - 10 report - 10 grace
-    assert build_limit() == 240
+    assert build_limit() == 130  # 540 - 390 reserved (part 1) - 10 report - 10 grace
+    assert build_limit(SUITE_DEADLINE_S="900") == 240
     assert build_limit(SUITE_BUILD_S="60") == 60
 
 
 def test_the_one_gpu_suite_runs_every_step_in_one_of_two_calls():
     """On one GPU the suite's steps do not fit one call: SUITE_PART 1 and 2 each plan half of them within the
-    deadline, and every step that one GPU can run is in exactly one part."""
-    parts = []
+    deadline, and every step that one GPU can run is in exactly one part. tests_gpu gets its whole nominal limit,
+    which covers its expected time (its whole_gpu tests run last)."""
+    parts, plans = [], []
     for part in ("1", "2"):
         done = _suite_plan(1, SUITE_PART=part)
         assert done.returncode == 0, done.stderr
         parts.append(_planned_steps(done.stdout))
+        plans.append(done.stdout)
     assert parts[0].keys() == parts[1].keys() and "tests" in parts[0] and "fuzz_shared8" in parts[1]
     assert parts[1]["tests_gpu"] == "runs"  # the GPU tests outside tests/test_cuda_*.py
+    nominal, expected, limit = re.search(r"^tests_gpu +(\d+) +\d+ +(\d+) \| +\d+ +(\d+)", plans[1], re.M).groups()
+    assert int(limit) == int(nominal) >= int(expected)
     for name in parts[0]:
         planned = [steps[name] for steps in parts if steps[name] in ("runs", "cut")]
         if "needs" in parts[0][name]:  # a step of 2+ GPUs: skipped in both, saying why
