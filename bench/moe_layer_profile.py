@@ -1,14 +1,16 @@
 """Profile one training step (forward + backward) of jax_ep.nn.MoE on one GPU, broken down by named scope.
 
 python -m bench.moe_layer_profile OUT.json [--tokens 4096 --hidden 7168 --intermediate 2048 --experts 256
-    --topk 8 --shared 2048 --backend auto|cuda|xla --steps 5]
+    --topk 8 --shared 2048 --backend auto|cuda|xla --steps 5 --skew 1]
 
 The layer is DeepSeek-V3-like at one rank's size (defaults above): bf16 tokens and weights, gated SwiGLU
 experts, softmax router, a shared expert, ragged layout, ``capacity=None``, in an EP group of one GPU (a mesh
 of one device, axis "ep"). With ``--backend cuda`` (or ``auto`` where the extension loads)
 ``jax_ep.initialize`` makes the group, so ``MoE``'s ``backend="auto"`` dispatches with the cuda backend; the
 compiled step is checked for the jax_ep FFI calls. The step is ``jax.grad`` of ``sum(out * c) + 0.01 *
-aux_loss`` w.r.t. the parameters and ``x``, jitted.
+aux_loss`` w.r.t. the parameters and ``x``, jitted. ``--skew R`` shifts the tokens so that the router's busiest
+expert gets about R times the mean load (bench/moe_layer_baselines.py's ``skewed_tokens``; 1: as drawn), and the
+output records the load it got.
 
 Method: the step's wall time is the median of ``--steps`` calls, each ended by ``block_until_ready``. The
 breakdown comes from a ``jax.profiler`` trace of ``--steps`` more calls: every GPU kernel event in the
@@ -47,6 +49,7 @@ def parse_args():
     parser.add_argument("--shared", type=int, default=2048)
     parser.add_argument("--backend", choices=("auto", "cuda", "xla"), default="auto")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--skew", type=float, default=1.0, help="busiest expert's load over the mean")
     parser.add_argument("--command-buffers", action="store_true", help="keep XLA's command buffers")
     parser.add_argument("--keep-trace", type=Path, default=None, help="copy the trace directory here")
     return parser.parse_args()
@@ -133,6 +136,7 @@ def main() -> None:
     from jax.sharding import AxisType
 
     import jax_ep
+    from bench.moe_layer_baselines import skewed_tokens
     from jax_ep.nn import MoE
 
     start = time.perf_counter()
@@ -181,7 +185,8 @@ def main() -> None:
     keys = jax.random.split(jax.random.key(1), 2)
     x = jax.random.normal(keys[0], (args.tokens, args.hidden), jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], (args.tokens, args.hidden), jnp.bfloat16)
-    log("parameters made")
+    x, routing = skewed_tokens(x, jnp.asarray(model.router_kernel[...]), args.topk, args.skew)
+    log(f"parameters made; routing {routing}")
 
     def loss(state, x):
         result = nnx.merge(graphdef, state)(x)
@@ -265,6 +270,8 @@ def main() -> None:
             "capacity": None,
             "ranks": 1,
         },
+        "skew": args.skew,
+        "routing": routing,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "compiled_step_uses": uses,
         "method": (

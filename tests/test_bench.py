@@ -711,6 +711,22 @@ def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
     assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
 
 
+@pytest.mark.slow
+def test_moe_layer_profile_cpu_dry_run_skews_the_routing(tmp_path):
+    """The layer profile on CPU (backend xla, small shapes) with --skew 3: the busiest expert gets three times the
+    mean load, recorded beside the step's kernel time by scope, the experts' among it."""
+    out = tmp_path / "profile.json"
+    command = [sys.executable, "-m", "bench.moe_layer_profile", str(out), "--tokens", "256", "--hidden", "128"]
+    command += ["--intermediate", "64", "--experts", "8", "--topk", "2", "--shared", "0", "--backend", "xla"]
+    command += ["--steps", "1", "--skew", "3"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["skew"] == 3.0 and abs(result["routing"]["max_over_mean"] - 3.0) < 0.1
+    assert result["routing"]["shift"] > 0 and result["kernel_us_per_step"]["by_scope"]["experts"] > 0
+
+
 def test_run_session_returns_the_exit_code_and_kills_the_whole_session_on_timeout(tmp_path):
     """bench/multiprocess.py's run_session: the exit code and both outputs; past its timeout, None, and no process
     of the session lives on (a child of the command, as Python is of compute-sanitizer, included)."""
