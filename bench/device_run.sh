@@ -148,7 +148,7 @@ by_gpus() {  # ONE TWO MORE: the words for 1 GPU, for 2 or 3, for 4 or more (eac
 # cuda took 2 s (bf16) and 7 s (FP8), the rest of its 100 s went to backend xla, which one GPU now leaves out. The
 # others are estimates; tests_gpu's 80 tests took 108-131 s in 4 shards at 10f10a4 (one H100), before its 4
 # whole_gpu tests moved to a process of their own after the shards: at 1140109 the shards and three of those took
-# 167 s, and the fourth is the longest.
+# the step's 167 s, and the fourth had not finished.
 # The fuzz steps run cases until their time is up (--budget-s), so their nominal limit is their reserve.
 plan topo 20 5 1
 plan p2p 45 15 5 "$nogpu"
