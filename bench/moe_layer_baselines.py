@@ -17,7 +17,7 @@ gated SwiGLU experts, at one rank's size (T tokens, E experts, top-K, no shared 
 
 Each ``--skews`` value R is a routing whose busiest expert gets about R times the mean load (1: the tokens as drawn,
 about uniform): the tokens are shifted along one fixed random direction, which biases each expert's router logit,
-by the amount that bisection finds for R (:func:`skewed_tokens`); each row records the load it got (largest over
+by the amount that bisection finds for R (bench/skewed_routing.py); each row records the load it got (largest over
 mean, empty experts). Every row but ``dense`` is timed at every skew, with the same compiled step. A skew above
 E/K, the most a top-K router can give one expert, is left out for that E and listed under ``skipped``.
 
@@ -56,6 +56,7 @@ import jax_ep.gmm.padded  # noqa: E402
 import jax_ep.nn  # noqa: E402
 from bench.grouped_matmul import time_call, tokamax_ragged_dot  # noqa: E402
 from bench.record import provenance, write  # noqa: E402
+from bench.skewed_routing import most_skew, router, skewed_tokens  # noqa: E402
 
 ROWS = ("moe", "dense", "sort_jax_ep", "sort_tokamax")
 # --ablate's rows: (name, module, attribute, value while timed).
@@ -92,11 +93,6 @@ def swiglu(x, w_gate, w_in, w_out, matmul):
     return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_in), w_out)
 
 
-def router(x, w_router, topk):
-    probs = jax.nn.softmax(x.astype(jnp.float32) @ w_router, axis=-1)
-    return jax.lax.top_k(probs, topk)
-
-
 def sorted_recipe(ragged_dot, topk: int):
     """MaxText's sparse recipe: sort the slots by expert, three ragged matmuls, weighted unsort."""
 
@@ -111,45 +107,6 @@ def sorted_recipe(ragged_dot, topk: int):
         return jnp.einsum("tkh,tk->th", unsorted, weights.astype(y.dtype))
 
     return layer
-
-
-def load(x, w_router, topk: int) -> dict:
-    """The router's expert loads on ``x``: the busiest expert over the mean, and the experts that get no slot."""
-    sizes = np.bincount(np.asarray(router(x, w_router, topk)[1]).reshape(-1), minlength=w_router.shape[1])
-    return {"max_over_mean": float(sizes.max() * sizes.size / sizes.sum()), "empty": int((sizes == 0).sum())}
-
-
-def most_skew(experts: int, topk: int) -> float:
-    """The largest busiest-expert load over the mean a top-K router can give: every token to one expert, E / K."""
-    return experts / topk
-
-
-def skewed_tokens(x, w_router, topk: int, target: float, steps: int = 24):
-    """``x`` shifted by ``s`` times a fixed random direction (standard normal, like a token), ``s`` found by bisection
-    so that the router's busiest expert gets about ``target`` times the mean load; ``target`` 1 keeps ``x``. Returns
-    the tokens and ``{"shift": s, **load(...)}``; a ``ValueError`` where the shift cannot reach ``target``."""
-    if target <= 1:
-        return x, {"shift": 0.0, **load(x, w_router, topk)}
-    if target > most_skew(w_router.shape[1], topk):
-        raise ValueError(f"skew {target}: a top-{topk} router of {w_router.shape[1]} experts gives at most E/K")
-    direction = jax.random.normal(jax.random.key(3), (1, x.shape[1]))
-
-    def shifted(shift):
-        return (x.astype(jnp.float32) + shift * direction).astype(x.dtype)
-
-    def skew(shift):
-        return load(shifted(shift), w_router, topk)["max_over_mean"]
-
-    lo, hi = 0.0, 1.0
-    while (reached := skew(hi)) < target:
-        if hi > 1e3:
-            raise ValueError(f"skew {target}: shifting the tokens by up to {hi:g} reached {reached:.2f} only")
-        lo, hi = hi, 2 * hi
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if skew(mid) < target else (lo, mid)
-    tokens = shifted(hi)
-    return tokens, {"shift": hi, **load(tokens, w_router, topk)}
 
 
 def dense_floor(x, w_gate, w_in, w_out):

@@ -9,7 +9,7 @@ of one device, axis "ep"). With ``--backend cuda`` (or ``auto`` where the extens
 ``jax_ep.initialize`` makes the group, so ``MoE``'s ``backend="auto"`` dispatches with the cuda backend; the
 compiled step is checked for the jax_ep FFI calls. The step is ``jax.grad`` of ``sum(out * c) + 0.01 *
 aux_loss`` w.r.t. the parameters and ``x``, jitted. ``--skew R`` shifts the tokens so that the router's busiest
-expert gets about R times the mean load (bench/moe_layer_baselines.py's ``skewed_tokens``; 1: as drawn), and the
+expert gets about R times the mean load (bench/skewed_routing.py's ``skewed_tokens``; 1: as drawn), and the
 output records the load it got.
 
 Method: the step's wall time is the median of ``--steps`` calls, each ended by ``block_until_ready``. The
@@ -136,7 +136,7 @@ def main() -> None:
     from jax.sharding import AxisType
 
     import jax_ep
-    from bench.moe_layer_baselines import skewed_tokens
+    from bench.skewed_routing import skewed_tokens
     from jax_ep.nn import MoE
 
     start = time.perf_counter()

@@ -656,12 +656,12 @@ def test_grouped_matmul_bench_group_sizes_reach_their_skews(groups, capsys):
 
 
 def test_moe_layer_bench_skews_the_router_to_its_target():
-    """bench/moe_layer_baselines.py: the shift that bisection finds gives the router's busiest expert at least the
-    target load and not much more; target 1 keeps the tokens."""
+    """bench/skewed_routing.py (the layer bench's and profile's skews): the shift that bisection finds gives the
+    router's busiest expert at least the target load and not much more; target 1 keeps the tokens."""
     import jax
     import jax.numpy as jnp
 
-    from bench import moe_layer_baselines as bench
+    from bench import skewed_routing as bench
 
     x = jax.random.normal(jax.random.key(0), (512, 64)).astype(jnp.bfloat16)
     w_router = jax.random.normal(jax.random.key(1), (64, 16)) / 8
