@@ -24,8 +24,10 @@ E/K, the most a top-K router can give one expert, is left out for that E and lis
 With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. With ``--ablate``, ``moe_per_op``
 runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``),
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
-(``jax_ep.gmm.padded.LADDER_SIZES = 1``) and ``moe_no_beyond`` without the padded path past its rows
-(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = False``, which matters where an expert fits no padded size). Time
+(``jax_ep.gmm.padded.LADDER_SIZES = 1``), ``moe_no_beyond`` without the padded path past its rows
+(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = False``, which matters where an expert fits no padded size) and
+``moe_past_per_op`` with each op on its own path past every padded size (``jax_ep.gmm.mlp.PAST_ROWS_FUSED =
+False``); ``--ablate NAME ...`` times only those. Time
 per step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
 (bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
 ``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first skew (``moe_over_first_skew``).
@@ -64,6 +66,7 @@ ABLATIONS = (
     ("moe_per_op", jax_ep.gmm.mlp, "FUSED", False),
     ("moe_one_size", jax_ep.gmm.padded, "LADDER_SIZES", 1),
     ("moe_no_beyond", jax_ep.gmm.grouped_matmul, "BEYOND_BY_DEFAULT", False),
+    ("moe_past_per_op", jax_ep.gmm.mlp, "PAST_ROWS_FUSED", False),
 )
 
 
@@ -83,8 +86,10 @@ def parse_args():
     parser.add_argument("--remat", action="store_true", help="also time MoE(remat=...) for each choice")
     parser.add_argument(
         "--ablate",
-        action="store_true",
-        help="also time the layer's expert MLP per op, at one padded size, and past its padded sizes",
+        nargs="*",
+        choices=[name for name, *_ in ABLATIONS],
+        default=None,
+        help="also time the layer with these ablations (all without a name)",
     )
     return parser.parse_args()
 
@@ -172,7 +177,7 @@ def main() -> None:
     c = jax.random.normal(jax.random.key(1), (t, h))
     flops = 9 * 2 * t * k * h * f
     remats = (None, "full", "handle", "rows") if args.remat else (None,)
-    ablations = ABLATIONS if args.ablate else ()
+    ablations = () if args.ablate is None else [a for a in ABLATIONS if not args.ablate or a[0] in args.ablate]
     if "moe" not in args.rows:
         remats, ablations = (), ()
     rows, skipped = [], []  # skipped: the skews a router of E experts cannot give

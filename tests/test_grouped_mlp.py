@@ -199,12 +199,20 @@ def test_grouped_mlp_pads_rows_to_a_multiple_of_8_and_picks_a_size(monkeypatch):
     _grouped_mlp_at_256_groups(monkeypatch, _sizes_at_256_groups(skew=False))
 
 
-def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch):
-    """With Plan.beyond on, a group of more than 300 rows fits no size of the ladder: each op then takes the padded
-    path past its rows. The kernels over every row give NaN, so only that path gives the right result."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "per_op"])
+def test_grouped_mlp_past_every_size_keeps_the_padded_path(monkeypatch, fused):
+    """With Plan.beyond on, a group of more than 300 rows fits no size of the ladder: the MLP then stays padded once at
+    the largest size with the rows past it through the kernels (PAST_ROWS_FUSED), or each op takes the padded path
+    past its rows. The kernels over every row give NaN, and so do the per-op branch's ops where the MLP is fused, so
+    only the path asked for gives the right result."""
     fake_kernels(monkeypatch, [])
     monkeypatch.setattr(gm, "hopper_available", lambda: True)
     monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", True)
+    monkeypatch.setattr(gmlp, "PAST_ROWS_FUSED", fused)
+    if fused:
+        for name in ("fwd_op", "dx_op", "dw_op"):
+            op = getattr(gm, name)
+            monkeypatch.setattr(gm, name, lambda *args, op=op: op(*args) * jnp.nan)
 
     def whole_rows_nan(kernel):
         def run(*args, group_starts=None, **kwargs):

@@ -350,11 +350,25 @@ def _rows_kernel(plan: Plan):
     return functools.partial(_mosaic.ragged_dot, specialized=plan.rows == "specialized")
 
 
-def _beyond_rows(blocks: Blocks, specialized: bool, **transpose):
-    """jax_ep's row-tile kernel over groups from explicit starts: what the padded path's ``beyond`` takes."""
+def past_rows_kernel(plan: Plan, op: str):
+    """``kernel(a, b, sizes, starts)``: jax_ep's row-tile kernel of ``op`` (``"fwd"`` or ``"dx"``) over groups from
+    explicit starts, which ``Plan.beyond`` runs past the padded rows."""
+    blocks, transpose = (plan.fwd, False) if op == "fwd" else (plan.dx, True)
+    specialized = plan.rows == "specialized"
 
     def kernel(a, b, sizes, starts):
-        return _mosaic.ragged_dot(a, b, sizes, blocks, specialized=specialized, group_starts=starts, **transpose)
+        return _mosaic.ragged_dot(
+            a, b, sizes, blocks, transpose_rhs=transpose, specialized=specialized, group_starts=starts
+        )
+
+    return kernel
+
+
+def dw_kernel(plan: Plan):
+    """``kernel(x, dy, sizes, starts=None)``: dw's kernel, over groups laid end to end or from ``starts``."""
+
+    def kernel(a, b, sizes, starts=None):
+        return _mosaic.transposed_ragged_dot(a, b, sizes, plan.dw, specialized=plan.dw_specialized, group_starts=starts)
 
     return kernel
 
@@ -363,7 +377,7 @@ def fwd_op(x, w, group_sizes, plan: Plan):
     def mosaic(a, b, c):
         return _rows_kernel(plan)(a, b, c, plan.fwd)
 
-    beyond = _beyond_rows(plan.fwd, plan.rows == "specialized") if plan.beyond else None
+    beyond = past_rows_kernel(plan, "fwd") if plan.beyond else None
     rows = plan.padded_rows("fwd")
     return _op("fwd", plan.fwd, _xla_fwd, mosaic, x, w, group_sizes, padded=_padded.fwd, rows=rows, beyond=beyond)
 
@@ -378,15 +392,13 @@ def dx_op(dy, w, group_sizes, plan: Plan):
     def xla(a, b, c):
         return jnp.where(_rows_below(a.shape[0], c), _xla_dx(a, b, c), 0)
 
-    beyond = _beyond_rows(plan.dx, plan.rows == "specialized", transpose_rhs=True) if plan.beyond else None
+    beyond = past_rows_kernel(plan, "dx") if plan.beyond else None
     rows = plan.padded_rows("dx")
     return _op("dx", plan.dx, xla, mosaic, dy, w, group_sizes, padded=_padded.dx, rows=rows, beyond=beyond)
 
 
 def dw_op(x, dy, group_sizes, plan: Plan):
-    def mosaic(a, b, c, starts=None):
-        return _mosaic.transposed_ragged_dot(a, b, c, plan.dw, specialized=plan.dw_specialized, group_starts=starts)
-
+    mosaic = dw_kernel(plan)
     rows = plan.padded_rows("dw")
     padded = functools.partial(_padded.dw, most=BEYOND_GROUPS)
     beyond = mosaic if plan.beyond else None

@@ -32,6 +32,9 @@ Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 ALL_OPS = ("fwd", "dx", "dw")
 # False runs every op on its own everywhere (bench/moe_layer_baselines.py --ablate times both).
 FUSED = True
+# With Plan.beyond, past every padded size: True keeps the MLP padded once at the largest size, the rows past it
+# through the kernels, while at most BEYOND_GROUPS groups are larger; False runs each op on its own there (--ablate).
+PAST_ROWS_FUSED = True
 
 
 def mlp(x: jax.Array, weights: dict[str, jax.Array], matmul: Matmul, activation: Callable) -> jax.Array:
@@ -117,16 +120,29 @@ def _beyond_plans(plans: tuple[_gm.Plan, _gm.Plan]) -> tuple[_gm.Plan, ...]:
     return tuple(p if p.beyond else p._replace(padded_ops=()) for p in plans)
 
 
-def _on_each_platform(padded, ragged, ladder: tuple[int, ...], *args):
-    """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits, or
-    ``ragged(*args)`` (each op as its plan says) when none does; elsewhere ``ragged`` (XLA's ops)."""
+def _on_each_platform(padded, ragged, ladder: tuple[int, ...], past: bool, *args):
+    """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits; where
+    none does, with ``past``, ``padded(*args, ladder[-1], past=True)`` (the rows past it through the kernels) while
+    at most ``BEYOND_GROUPS`` groups are larger; else ``ragged(*args)`` (each op as its plan says). Elsewhere
+    ``ragged`` (XLA's ops)."""
 
     def on_gpu(*a):
-        index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(a[2]))  # len(ladder) where none fits
-        padded_branches = [varying_like_inputs(lambda *b, rows=rows: padded(*b, rows)) for rows in ladder]
-        return lax.switch(index, [*padded_branches, varying_like_inputs(ragged)], *a)
+        sizes = a[2]
+        index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), jnp.max(sizes))  # len(ladder) where none fits
+        branches = [varying_like_inputs(lambda *b, rows=rows: padded(*b, rows)) for rows in ladder]
+        if past:
+            top = ladder[-1]
+            too_many = (index == len(ladder)) & ~_padded.fits_beyond(sizes, top, _gm.BEYOND_GROUPS)
+            index = index + too_many.astype(index.dtype)
+            branches.append(varying_like_inputs(lambda *b: padded(*b, top, past=True)))
+        return lax.switch(index, [*branches, varying_like_inputs(ragged)], *a)
 
     return lax.platform_dependent(*args, cuda=on_gpu, default=varying_like_inputs(ragged))
+
+
+def _past(plans: tuple[_gm.Plan, _gm.Plan]) -> bool:
+    """Whether the MLP takes the padded path past every padded size (the rows past it through the kernels)."""
+    return PAST_ROWS_FUSED and all(p.beyond for p in plans)
 
 
 def _forward(x, w, group_sizes, activation, plans, ladder):
@@ -138,7 +154,7 @@ def _forward(x, w, group_sizes, activation, plans, ladder):
         pre = tuple(_gm.fwd_op(x, w[name], s, up) for name in names)
         return _gm.fwd_op(_hidden(activation, *pre), w["w_out"], s, down), pre
 
-    def padded(x, w, s, rows):
+    def padded(x, w, s, rows, past=False):
         m = x.shape[0]
         xp = _padded.pad(x, s, rows)
         with jax.named_scope("grouped_matmul_fwd"):
@@ -146,9 +162,17 @@ def _forward(x, w, group_sizes, activation, plans, ladder):
         hidden = _hidden(activation, *pre)
         with jax.named_scope("grouped_matmul_fwd"):
             y = _padded.einsum("gcf,gfh->gch", hidden, w["w_out"])
-        return _padded.unpad(y, s, m), tuple(_padded.unpad(p, s, m) for p in pre)
+        into = (None,) * (1 + len(pre))
+        if past:  # each group's rows past `rows` through the row-tile kernels, into the rows the unpads leave
+            starts = _padded.rows_beyond(s, rows, m)
+            with jax.named_scope("grouped_matmul_fwd"):
+                pre_past = tuple(_gm.past_rows_kernel(up, "fwd")(x, w[name], *starts) for name in names)
+                y_past = _gm.past_rows_kernel(down, "fwd")(_hidden(activation, *pre_past), w["w_out"], *starts)
+            into = (y_past, *pre_past)
+        pre_rows = tuple(_padded.unpad(p, s, m, into=q) for p, q in zip(pre, into[1:], strict=True))
+        return _padded.unpad(y, s, m, into=into[0]), pre_rows
 
-    return _on_each_platform(padded, ragged, ladder, x, w, group_sizes)
+    return _on_each_platform(padded, ragged, ladder, _past(plans), x, w, group_sizes)
 
 
 def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
@@ -164,7 +188,7 @@ def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
         dx = sum(_gm.dx_op(d, w[name], s, up).astype(x.dtype) for name, d in zip(names, d_pre, strict=True))
         return dx, grads
 
-    def padded(x, w, s, pre, dy, rows):
+    def padded(x, w, s, pre, dy, rows, past=False):
         m = x.shape[0]
         dyp = _padded.pad(dy, s, rows)
         hidden, pullback = jax.vjp(functools.partial(_hidden, activation), *(_padded.pad(p, s, rows) for p in pre))
@@ -179,9 +203,25 @@ def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
         with jax.named_scope("grouped_matmul_dx"):
             dxp = [_padded.einsum("gcf,ghf->gch", d, w[name]) for name, d in zip(names, d_pre, strict=True)]
         # The gate's and the up projection's parts of dx are summed as they are copied out of the groups.
-        return _padded.unpad(dxp[0], s, m, plus=dxp[1] if len(dxp) == 2 else None), grads
+        plus = dxp[1] if len(dxp) == 2 else None
+        if not past:
+            return _padded.unpad(dxp[0], s, m, plus=plus), grads
+        # Each group's rows past `rows` through the row-tile kernels, and the larger groups' dw whole by dw's kernel.
+        starts = _padded.rows_beyond(s, rows, m)
+        hidden_rows, pullback_rows = jax.vjp(functools.partial(_hidden, activation), *pre)
+        with jax.named_scope("grouped_matmul_dx"):
+            d_pre_past = pullback_rows(_gm.past_rows_kernel(down, "dx")(dy, w["w_out"], *starts))
+            dx_kernel = _gm.past_rows_kernel(up, "dx")
+            dx_past = [dx_kernel(d, w[name], *starts) for name, d in zip(names, d_pre_past, strict=True)]
+        d_pre_rows = [_padded.unpad(d, s, m, into=q) for d, q in zip(d_pre, d_pre_past, strict=True)]
+        whole = functools.partial(_padded.larger_groups_whole, group_sizes=s, rows=rows, most=_gm.BEYOND_GROUPS)
+        with jax.named_scope("grouped_matmul_dw"):
+            grads["w_out"] = whole(grads["w_out"], hidden_rows, dy, kernel=_gm.dw_kernel(down))
+            for name, d in zip(names, d_pre_rows, strict=True):
+                grads[name] = whole(grads[name], x, d, kernel=_gm.dw_kernel(up))
+        return _padded.unpad(dxp[0], s, m, plus=plus, into=_padded.summed(*dx_past)), grads
 
-    return _on_each_platform(padded, ragged, ladder, x, w, group_sizes, pre, dy)
+    return _on_each_platform(padded, ragged, ladder, _past(plans), x, w, group_sizes, pre, dy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -197,14 +197,21 @@ def dw(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int, beyond=No
     group's), and their results replace the padded ones.
     """
     d = einsum("gck,gcn->gkn", pad(x, group_sizes, rows), pad(dy, group_sizes, rows))
-    if beyond is None:
-        return d
+    return d if beyond is None else larger_groups_whole(d, x, dy, group_sizes, rows, beyond, most)
+
+
+def larger_groups_whole(
+    d: jax.Array, x: jax.Array, dy: jax.Array, group_sizes: jax.Array, rows: int, kernel, most: int
+) -> jax.Array:
+    """``d`` (``[G, K, N]``, :func:`dw` of the groups' first ``rows`` rows) with each group of more than ``rows`` rows
+    (at most ``most`` of them, :func:`fits_beyond`) replaced by ``kernel(x, dy, sizes, starts)`` over its rows
+    whole."""
     if most < 1:
         raise ValueError(f"jax_ep.gmm.padded.dw: beyond needs most >= 1, got {most}")
     g = group_sizes.shape[0]
     _, largest = lax.top_k(group_sizes, min(most, g))
     larger = group_sizes[largest] > rows
-    whole = beyond(x, dy, jnp.where(larger, group_sizes[largest], 0), _starts(group_sizes)[largest])
+    whole = kernel(x, dy, jnp.where(larger, group_sizes[largest], 0), _starts(group_sizes)[largest])
     return d.at[jnp.where(larger, largest, g)].set(whole.astype(d.dtype), mode="drop")
 
 
