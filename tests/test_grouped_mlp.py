@@ -294,8 +294,8 @@ def test_bad_arguments():
 @pytest.mark.parametrize("skew", [False, True], ids=["fits", "too_large"])
 def test_mosaic_grouped_mlp_at_256_groups(monkeypatch, skew, beyond):
     """The real kernels and row copies: :func:`conditionals`, and the output and gradients match the float32 MLP of
-    ragged_dot, whichever branch runs (with a group too large: each op's kernel, or with BEYOND_BY_DEFAULT the padded
-    path past its rows)."""
+    ragged_dot, whichever branch runs (with a group too large: each op's kernel, or with BEYOND_BY_DEFAULT the MLP
+    padded once with the rows past it through the kernels)."""
     monkeypatch.setattr(gm, "BEYOND_BY_DEFAULT", beyond)
     m, h, f, g = 32768, 256, 128, 256
     rng = np.random.default_rng(3)

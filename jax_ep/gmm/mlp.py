@@ -7,8 +7,10 @@ output's cotangent go into groups once, the activation runs on the padded rows, 
 backward pass's unpad sums the two parts of ``dx`` as it copies them), where the nine ops would each pad and unpad
 their own operands (``x`` four times, the pre-activations out of groups and back in). The conditional picks the
 smallest of a few padded sizes that every group fits (:func:`jax_ep.gmm.padded.row_ladder`), so the batched GEMMs
-multiply fewer padding rows than the ops' single size. When no size fits, each op runs as its plan says: with
-``Plan.beyond`` on the padded path past its rows, else its kernel. It is a ``jax.custom_vjp``
+multiply fewer padding rows than the ops' single size. When no size fits, with ``Plan.beyond`` and at most
+``BEYOND_GROUPS`` groups larger than the largest size, the MLP stays padded at that size, the rows past it through
+the row-tile kernels and the larger groups' ``dw`` through its kernel whole; otherwise each op runs as its plan
+says (with ``Plan.beyond`` on the padded path past its rows, else its kernel). It is a ``jax.custom_vjp``
 whose residuals are ragged rows (``x`` and the pre-activations): residuals of a ``lax.cond`` are outputs of every
 branch, zeros from the untaken ones.
 """
@@ -62,7 +64,8 @@ def grouped_mlp(
     Results, gradients and ``impl`` as :func:`jax_ep.grouped_matmul`'s (rows past ``sum(group_sizes)`` of the output
     unspecified, of ``dx`` 0). Where that function's plan puts all three ops of both matmul shapes on the padded
     path (at least 256 groups that average at most 1/1.5 of the padded rows), the whole MLP runs padded in one
-    ``jax.custom_vjp`` at the smallest padded size every group fits, and each op as its plan says when none fits.
+    ``jax.custom_vjp`` at the smallest padded size every group fits; when none fits, at the largest with the rows
+    past it through the kernels while few groups are larger, else each op as its plan says.
     """
     _check(x, weights, group_sizes, impl)
     w = {name: value.astype(x.dtype) for name, value in weights.items()}
