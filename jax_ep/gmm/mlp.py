@@ -123,6 +123,12 @@ def _beyond_plans(plans: tuple[_gm.Plan, _gm.Plan]) -> tuple[_gm.Plan, ...]:
     return tuple(p if p.beyond else p._replace(padded_ops=()) for p in plans)
 
 
+def _kernel(plan: _gm.Plan, op: str):
+    """The kernel of ``op`` that the padded path past its rows runs (``"fwd"``, ``"dx"``: the row-tile kernel from
+    explicit starts; ``"dw"``: dw's kernel), its output varying over the mesh axes its inputs vary over."""
+    return varying_like_inputs(_gm.dw_kernel(plan) if op == "dw" else _gm.past_rows_kernel(plan, op))
+
+
 def _on_each_platform(padded, ragged, ladder: tuple[int, ...], past: bool, *args):
     """On CUDA ``padded(*args, rows)`` with the first ``rows`` of ``ladder`` that every group (``args[2]``) fits; where
     none does, with ``past``, ``padded(*args, ladder[-1], past=True)`` (the rows past it through the kernels) while
@@ -169,8 +175,8 @@ def _forward(x, w, group_sizes, activation, plans, ladder):
         if past:  # each group's rows past `rows` through the row-tile kernels, into the rows the unpads leave
             starts = _padded.rows_beyond(s, rows, m)
             with jax.named_scope("grouped_matmul_fwd"):
-                pre_past = tuple(_gm.past_rows_kernel(up, "fwd")(x, w[name], *starts) for name in names)
-                y_past = _gm.past_rows_kernel(down, "fwd")(_hidden(activation, *pre_past), w["w_out"], *starts)
+                pre_past = tuple(_kernel(up, "fwd")(x, w[name], *starts) for name in names)
+                y_past = _kernel(down, "fwd")(_hidden(activation, *pre_past), w["w_out"], *starts)
             into = (y_past, *pre_past)
         pre_rows = tuple(_padded.unpad(p, s, m, into=q) for p, q in zip(pre, into[1:], strict=True))
         return _padded.unpad(y, s, m, into=into[0]), pre_rows
@@ -213,15 +219,15 @@ def _backward(x, w, group_sizes, pre, dy, activation, plans, ladder):
         starts = _padded.rows_beyond(s, rows, m)
         hidden_rows, pullback_rows = jax.vjp(functools.partial(_hidden, activation), *pre)
         with jax.named_scope("grouped_matmul_dx"):
-            d_pre_past = pullback_rows(_gm.past_rows_kernel(down, "dx")(dy, w["w_out"], *starts))
-            dx_kernel = _gm.past_rows_kernel(up, "dx")
+            d_pre_past = pullback_rows(_kernel(down, "dx")(dy, w["w_out"], *starts))
+            dx_kernel = _kernel(up, "dx")
             dx_past = [dx_kernel(d, w[name], *starts) for name, d in zip(names, d_pre_past, strict=True)]
         d_pre_rows = [_padded.unpad(d, s, m, into=q) for d, q in zip(d_pre, d_pre_past, strict=True)]
         whole = functools.partial(_padded.larger_groups_whole, group_sizes=s, rows=rows, most=_gm.BEYOND_GROUPS)
         with jax.named_scope("grouped_matmul_dw"):
-            grads["w_out"] = whole(grads["w_out"], hidden_rows, dy, kernel=_gm.dw_kernel(down))
+            grads["w_out"] = whole(grads["w_out"], hidden_rows, dy, kernel=_kernel(down, "dw"))
             for name, d in zip(names, d_pre_rows, strict=True):
-                grads[name] = whole(grads[name], x, d, kernel=_gm.dw_kernel(up))
+                grads[name] = whole(grads[name], x, d, kernel=_kernel(up, "dw"))
         return _padded.unpad(dxp[0], s, m, plus=plus, into=_padded.summed(*dx_past)), grads
 
     return _on_each_platform(padded, ragged, ladder, _past(plans), x, w, group_sizes, pre, dy)
