@@ -242,9 +242,22 @@ def test_grouped_mlp_without_hopper_is_the_mlp_of_ragged_dot():
         np.testing.assert_array_equal(a, b)
 
 
-def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch):
+def _unvarying(kernel):
+    """``kernel`` whose output varies over no mesh axis, as a Pallas call's: the mean over ("data", "ep") of its
+    output, which is its own where every shard computes the same (in float32, exactly)."""
+
+    def run(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        return (jax.lax.psum(out.astype(jnp.float32), ("data", "ep")) / 8).astype(out.dtype)
+
+    return run
+
+
+@pytest.mark.parametrize("case", ["fits", "too_large"])
+def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch, case):
     """Inside shard_map, tokens over ("data", "ep") and weights over "ep": the weights' cotangents are summed over
-    "data" as autodiff of ragged_dot's MLP gives."""
+    "data" as autodiff of ragged_dot's MLP gives; with a group too large (Plan.beyond) the MLP padded once past its
+    rows, whose kernels' outputs vary over no mesh axis until it marks them."""
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
@@ -252,14 +265,16 @@ def test_fused_mlp_sums_weight_grads_over_the_data_axis(monkeypatch):
     if len(cpus) < 8:
         pytest.skip("needs 8 CPU devices")
     fake_kernels(monkeypatch, [])
+    for name in ("ragged_dot", "upstream_ragged_dot", "transposed_ragged_dot"):
+        monkeypatch.setattr(gm._mosaic, name, _unvarying(getattr(gm._mosaic, name)))
     monkeypatch.setattr(gmlp.lax, "platform_dependent", lambda *args, cuda, default: cuda(*args))
     mesh = jax.make_mesh((2, 4), ("data", "ep"), axis_types=(AxisType.Auto,) * 2, devices=cpus[:8])
-    x, w, sizes, _ = make("fits", gated=True)
+    x, w, sizes, _ = make(case, gated=True)
     x = jnp.nan_to_num(jnp.concatenate([x] * 8))  # every shard holds the same M rows, zeros past the groups
     w = {n: jnp.concatenate([v] * 4) for n, v in w.items()}
     s = jnp.tile(sizes, 8)
-    step_plans = plans()
-    valid = sum(SIZES["fits"])
+    step_plans = tuple(p._replace(beyond=case == "too_large") for p in plans())
+    valid = sum(SIZES[case])
 
     def loss(fn):
         def body(x, w, s):
