@@ -25,9 +25,10 @@ With ``--remat`` the ``moe`` row also runs each ``remat`` choice of the layer. W
 runs it with each of the nine expert matmul ops choosing its own path (``jax_ep.gmm.mlp.FUSED = False``),
 ``moe_one_size`` with the expert MLP's padded path at its largest padded size only
 (``jax_ep.gmm.padded.LADDER_SIZES = 1``), ``moe_no_beyond`` without the padded path past its rows
-(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = False``, which matters where an expert fits no padded size) and
+(``jax_ep.gmm.grouped_matmul.BEYOND_BY_DEFAULT = False``, which matters where an expert fits no padded size),
 ``moe_past_per_op`` with each op on its own path past every padded size (``jax_ep.gmm.mlp.PAST_ROWS_FUSED =
-False``); ``--ablate NAME ...`` times only those. Time
+False``) and ``moe_beyond_64`` with up to 64 experts past the largest padded size on that path
+(``jax_ep.gmm.grouped_matmul.BEYOND_GROUPS = 64``); ``--ablate NAME ...`` times only those. Time
 per step: the median of 5 batches of back-to-back steps after 2 warm-ups, each batch ended by ``block_until_ready``
 (bench/grouped_matmul.py's ``time_call``). The ratios are taken in this run: each row against ``dense``,
 ``sort_tokamax`` against ``moe``, and ``moe`` against its time at the first skew (``moe_over_first_skew``).
@@ -67,6 +68,7 @@ ABLATIONS = (
     ("moe_one_size", jax_ep.gmm.padded, "LADDER_SIZES", 1),
     ("moe_no_beyond", jax_ep.gmm.grouped_matmul, "BEYOND_BY_DEFAULT", False),
     ("moe_past_per_op", jax_ep.gmm.mlp, "PAST_ROWS_FUSED", False),
+    ("moe_beyond_64", jax_ep.gmm.grouped_matmul, "BEYOND_GROUPS", 64),
 )
 
 

@@ -706,7 +706,7 @@ def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
     assert [(r["experts"], r["skew"]) for r in rows] == [(8, 1.0), (8, 3.0)]
     assert result["skipped"] == [{"experts": 8, "skew": 5.0, "why": "above E/K = 4"}]
     for row in rows:
-        ablations = {"moe_per_op", "moe_one_size", "moe_no_beyond", "moe_past_per_op"}
+        ablations = {"moe_per_op", "moe_one_size", "moe_no_beyond", "moe_past_per_op", "moe_beyond_64"}
         assert {"moe", "dense", "sort_jax_ep", *ablations} <= set(row["ms"])
         assert min(row["ms"].values()) > 0
     assert rows[0]["moe_over_first_skew"] == 1.0 and rows[1]["routing"]["max_over_mean"] >= 3.0
