@@ -316,7 +316,7 @@ def test_a_dispatch_in_a_cond_branch_has_another_call_site_than_the_next_one(mon
     assert len(sites) == 2 and sites[0] != sites[1]
 
 
-def _site_in(fn):
+def _site_in(fn, args=ARGS):
     sites = []
 
     def body(x, idx, w):
@@ -325,7 +325,7 @@ def _site_in(fn):
         return d.weights
 
     with jax.set_mesh(cpu_mesh((2,), ("ep",))):
-        jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).trace(*ARGS)
+        jax.jit(jax.shard_map(body, in_specs=P("ep"), out_specs=P("ep"))).trace(*args)
     return sites[-1]
 
 
@@ -349,3 +349,25 @@ def test_a_call_site_does_not_depend_on_where_the_traced_function_was_called_fro
         return jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="xla")
 
     assert _site_in(elsewhere) != caller_a()
+
+
+def test_calls_of_other_shapes_from_one_line_have_other_call_sites(monkeypatch, extension):
+    """A function jitted for two sizes, whose executables two processes run in another order, makes calls of one
+    line with other layouts: their sites differ (so those ranks fail when they meet, where they would pair regions of
+    other layouts), each described with its operands. The same shapes keep one site."""
+    _stand_in_group(monkeypatch)
+    wide = (jax.ShapeDtypeStruct((8, 32), jnp.float32), *ARGS[1:])
+    more_tokens = tuple(jax.ShapeDtypeStruct((16, a.shape[1]), a.dtype) for a in ARGS)
+    sites = [_site_in(_moe_dispatch, args) for args in (ARGS, wide, more_tokens, ARGS)]
+    assert len(set(sites[:3])) == 3 and sites[3] == sites[0]
+    assert call_sites.describe(sites[1]).endswith("(x [4, 32] float32)")
+
+    def combined(dtype, partial_dtype=None):
+        def body(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda")
+            return jax_ep.combine(d.x.astype(dtype), d.handle, weights=d.weights, partial_dtype=partial_dtype)
+
+        return [attrs["site"] for target, attrs in _traced(body) if target.startswith("jax_ep_combine")][0]
+
+    f32, bf16, bf16_f32_partials = combined(jnp.float32), combined(jnp.bfloat16), combined(jnp.bfloat16, jnp.float32)
+    assert len({f32, bf16, bf16_f32_partials}) == 3 and combined(jnp.float32) == f32

@@ -2,11 +2,13 @@
 in the tag of each of the op's calls. Ranks that reach different jax_ep calls at the same position (different
 branches of a ``lax.cond`` on a rank-local value) then fail when they meet, instead of pairing their data.
 
-The id hashes the op's name and the code that called it: the file name, function and line of every frame outside
-jax and jax_ep, from the op out to the nearest function that JAX traces (a jitted function, a ``shard_map`` or
-``scan`` body, a ``cond`` branch, ...). The frames beyond that trace, which differ with where the traced function
-was first called from, take no part. Two calls from the same lines (layers of a Python loop) share a site; ranks
-that swap such calls still pair them by position.
+The id hashes the op's name, what its data's layout depends on (its operands' shapes and dtypes, the dispatch's
+configuration), and the code that called it: the file name, function and line of every frame outside jax and
+jax_ep, from the op out to the nearest function that JAX traces (a jitted function, a ``shard_map`` or ``scan``
+body, a ``cond`` branch, ...). The frames beyond that trace, which differ with where the traced function was first
+called from, take no part. Two calls of one shape from the same lines (layers of a Python loop) share a site;
+ranks that swap such calls still pair them by position. Calls of other shapes from one line (a function jitted for
+two batch sizes, whose executables two processes run in another order) fail when they meet.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ def _in_library(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_LIBRARIES)
 
 
-def site(op: str) -> int:
-    """The call site of op ``op`` called by the code that called the public jax_ep function now running."""
+def site(op: str, *shape: object, operands: str = "") -> int:
+    """The call site of op ``op`` called by the code that called the public jax_ep function now running; ``shape``:
+    what its data's layout depends on, alike on every rank that runs the same call; ``operands``: a short form of it
+    for the site's description."""
     frames = []
     frame = sys._getframe(1)
     while frame is not None:
@@ -40,9 +44,9 @@ def site(op: str) -> int:
         elif code.co_name.startswith(_TRACE_ENTRY):
             break
         frame = frame.f_back
-    number = derive(op, *frames)
+    number = derive(op, *shape, *frames)
     where = f" at {frames[0].replace(':', ' in ', 1).replace(':', ', line ', 1)}" if frames else ""
-    _described.setdefault(number, f"{op}{where}")
+    _described.setdefault(number, f"{op}{where}" + (f" ({operands})" if operands else ""))
     return number
 
 

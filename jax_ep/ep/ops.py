@@ -199,7 +199,7 @@ def dispatch(
         backend=backend,
         xla_exchange=xla_exchange,
     )
-    config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch"))
+    config = dataclasses.replace(config, site=_dispatch_site("jax_ep.dispatch", config, x))
     check_choice("transfer", transfer, TRANSFERS)
     if transfer == "separate" and config.backend == "cuda" and config.wire_dtype is not None:
         raise ValueError(
@@ -361,7 +361,8 @@ def combine(y: jax.Array, handle: Handle, *, weights: jax.Array | None = None, p
     with jax.named_scope("jax_ep.combine"):
         if handle.config.empty:
             return _empty_combine(handle.config, y)
-        return _tokens(handle.config, _combine(partial, call_sites.site("jax_ep.combine"), y, handle, weights))
+        site = _combine_site("jax_ep.combine", y, handle, weights, partial)
+        return _tokens(handle.config, _combine(partial, site, y, handle, weights))
 
 
 def _tokens(config: Config, out: jax.Array) -> jax.Array:
@@ -372,6 +373,21 @@ def _tokens(config: Config, out: jax.Array) -> jax.Array:
 def _empty_combine(config: Config, y: jax.Array) -> jax.Array:
     """The combine of a dispatch of no slot: zeros ``[*B, H']``, varying as ``y`` does."""
     return jax.lax.full_like(y, 0, y.dtype, (*config.batch_shape, y.shape[-1]))
+
+
+def _dispatch_site(op: str, config: Config, x) -> int:
+    """The call site of a dispatch, with what its data's layout depends on: its configuration and x's rows."""
+    dtype = jnp.dtype(x.dtype).name
+    operands = f"x [{', '.join(map(str, x.shape))}] {dtype}"
+    return call_sites.site(op, *config.shape_key(), x.shape[-1], dtype, operands=operands)
+
+
+def _combine_site(op: str, y, handle, weights, partial) -> int:
+    """The call site of a combine, with what its data's layout depends on: the dispatch's configuration, y's rows,
+    the weights' presence and the partial sums' dtype."""
+    shape = (y.shape[-1], jnp.dtype(y.dtype).name, weights is None, jnp.dtype(partial).name)
+    operands = f"y [{', '.join(map(str, y.shape))}] {shape[1]}"
+    return call_sites.site(op, *handle.config.shape_key(), *shape, operands=operands)
 
 
 def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
@@ -502,7 +518,7 @@ def dispatch_start(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, *
     if keywords.pop("transfer") != "fused":
         raise ValueError("jax_ep.dispatch_start: transfer must be 'fused'; the split ops route and send in the start")
     config = _dispatch_config(x, topk_idx, topk_weights, **keywords)
-    config = dataclasses.replace(config, site=call_sites.site("jax_ep.dispatch_start"))
+    config = dataclasses.replace(config, site=_dispatch_site("jax_ep.dispatch_start", config, x))
     x, topk_idx, topk_weights = _flat_inputs(config, x, topk_idx, topk_weights)
     x_type = RowType(x.shape[1], jnp.dtype(x.dtype))
     with jax.named_scope("jax_ep.dispatch_start"):
@@ -542,7 +558,7 @@ def combine_start(
     halves split as :func:`dispatch_start`'s do.
     """
     partial = _combine_partial_dtype(y, handle, weights, partial_dtype)
-    site = call_sites.site("jax_ep.combine_start")
+    site = _combine_site("jax_ep.combine_start", y, handle, weights, partial)
     with jax.named_scope("jax_ep.combine_start"):
         started = None if handle.config.empty else _combine_start(partial, site, y, handle, weights)
     return PendingCombine(y, handle, weights, started, partial, site)

@@ -44,6 +44,11 @@ class Config:
     # dispatches at different sites are pytrees of one structure (the two branches of a lax.cond, say).
     site: int = dataclasses.field(default=0, compare=False)
 
+    def shape_key(self) -> tuple:
+        """The fields that every rank's call of this dispatch shares: all but this process's group id and the site
+        (:func:`jax_ep.ep.call_sites.site`)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("group", "site"))
+
     @property
     def empty(self) -> bool:
         """No slots at all (T = 0 or K = 0): nothing travels, and no backend runs."""
