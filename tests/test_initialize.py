@@ -1,5 +1,6 @@
 """jax_ep.initialize checks its arguments before touching any GPU (runs on CPU)."""
 
+import dataclasses
 import math
 
 import jax
@@ -192,6 +193,35 @@ def test_finalize_frees_memory_only_once_every_process_unmapped_it(monkeypatch, 
     assert group.released
     group.finalize()  # a second call does nothing
     assert len(extension.calls) == 2
+
+
+def test_finalize_goes_on_past_a_failed_computation_to_its_barrier(monkeypatch):
+    """A live result of a failed computation on the group's GPUs (a jax_ep call that gave up: just when the error
+    says to initialize again) raises on itself, not in finalize: finalize waits for the other results, meets the
+    other processes at its barrier (they would wait there in vain) and frees the memory."""
+    extension, barriers, waited = _Extension(), [], []
+    device = jax.devices("cpu")[0]
+
+    class Result:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def devices(self):
+            return {device}
+
+        def block_until_ready(self):
+            waited.append(self.name)
+            if self.error:
+                raise self.error
+
+    results = [Result("failed", RuntimeError("jax_ep: rank 1 gave up")), Result("fine")]
+    monkeypatch.setattr(_group, "_extension", extension)
+    monkeypatch.setattr(_group, "_barrier", lambda namespace, name, *_: barriers.append(name))
+    monkeypatch.setattr(jax, "live_arrays", lambda: results)
+    group = dataclasses.replace(_group_of([0, 1]), devices=frozenset([device]))
+    group.finalize()
+    assert waited == ["failed", "fine"] and barriers == ["released"]
+    assert extension.calls == [("close_peer_mappings", 7), ("release", 7)]
 
 
 def test_finalize_of_one_process_frees_at_once_and_clears_jax_caches(monkeypatch):

@@ -9,6 +9,7 @@ in the traced program, so the calls can be captured in XLA command buffers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -224,7 +225,8 @@ class Group:
         """Release the group's memory (collective across processes); compiled computations must not run again.
 
         It first waits for every computation whose results are still alive on the group's GPUs, so that steps
-        issued before it, and not waited for, finish as they would have. The memory goes once every kernel already
+        issued before it, and not waited for, finish as they would have (one that failed raises on its own results,
+        not here). The memory goes once every kernel already
         launched has finished, and in several processes, once every process has stopped reading its peers' memory.
         Then it clears JAX's caches (``jax.clear_caches()``): a jitted function called afterwards is traced again,
         for the group ``initialize`` makes next, since a computation compiled for this group, replayed from an XLA
@@ -242,7 +244,7 @@ class Group:
             del _groups[self.axis_name]
         unmapped_everywhere = len(self.processes) == 1
         try:
-            jax.block_until_ready([a for a in jax.live_arrays() if a.devices() & self.devices])
+            _wait_for_results(self.devices)
             if not unmapped_everywhere:
                 _extension.close_peer_mappings(self.id)
                 _barrier(self.namespace, "released", self.processes, self.setup_timeout_ms)
@@ -253,6 +255,15 @@ class Group:
             else:  # stopped (no handler launches), its peers' memory unmapped, its own kept
                 _extension.close_peer_mappings(self.id)
             jax.clear_caches()
+
+
+def _wait_for_results(devices: frozenset) -> None:
+    """Waits for every computation whose results are alive on ``devices``. A failed one (a jax_ep call that gave up,
+    say) raises on its own results, not here: finalize goes on to its barrier, so that no other process waits there
+    in vain, and the extension synchronizes the GPUs before it frees anything."""
+    for array in [a for a in jax.live_arrays() if a.devices() & devices]:
+        with contextlib.suppress(Exception):
+            array.block_until_ready()
 
 
 _groups: dict[Hashable, Group] = {}
@@ -358,6 +369,7 @@ def initialize(
     reason = over_limits(topk=sizes["topk"], num_experts=sizes["num_experts"])
     if reason:
         raise ValueError(f"jax_ep.initialize: {reason}")
+    namespace = _namespace(mesh, axis_name)  # first: every process counts this call, whatever raises below
     if axis_name in _groups:
         _groups[axis_name].finalize()
     groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, num_ranks).tolist()
@@ -366,7 +378,6 @@ def initialize(
     staging = _extension.staging_bytes(num_ranks, sizes["num_tokens"], row_bytes, sizes["topk"], local_experts)
     scratch = _extension.routing_scratch_ints(num_ranks, sizes["num_tokens"], sizes["topk"], sizes["num_experts"])
     group_id = next(_ids)
-    namespace = _namespace(mesh, axis_name)
     setup_ms = _setup_ms(timeout_s)
     _extension.begin(group_id)
     try:
