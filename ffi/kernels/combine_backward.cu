@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
         for (int64_t n = n0; n < n0 + 32 && n < p.num_rows; ++n) {
           PoisonBytes(static_cast<char*>(p.outputs.dy) + n * p.row_bytes + begin, end - begin, at.lane);
         }
-        if (with_dots && n0 + at.lane < p.num_rows) PoisonBytes(p.outputs.dweights + n0 + at.lane, 4, 0);
+        if (with_dots && n0 + at.lane < p.num_rows) PoisonWord(p.outputs.dweights + n0 + at.lane);
       }
       for (int64_t item = static_cast<int64_t>(blockIdx.x) * kSumWarps + at.warp; item < own_items; item += at.stride) {
         const UnitPiece up = SplitItem(item, pieces);
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kSumThreads, 1) CombineBackwardKernel(Backward
           if (row < 0) continue;
           PoisonBytes(static_cast<char*>(p.outputs.dy) + row * p.row_bytes + begin * item_bytes,
                       (end - begin) * item_bytes, at.lane);
-          if (with_dots && up.piece == 0 && at.lane == 0) PoisonBytes(p.outputs.dweights + row, 4, 0);
+          if (with_dots && up.piece == 0 && at.lane == 0) PoisonWord(p.outputs.dweights + row);
         }
       }
     }
@@ -352,6 +352,7 @@ Status LaunchCombineBackward(const CombineBackwardCall& c, const GroupView& g, c
   if (!limits.ok()) return limits;
   const int64_t item = c.type == FloatType::kF32 ? 4 : 2;
   BackwardParams p{c};
+  p.origin.split_start = phase == Phase::kStart;
   p.row_bytes = c.hidden * item;
   if (c.weights == nullptr) p.outputs.dweights = nullptr;
   p.region = DispatchRegion(c.num_tokens, c.topk, 0, p.row_bytes);

@@ -232,6 +232,9 @@ __device__ inline void PoisonBytes(void* dst, int64_t bytes, int lane) {
   for (int64_t b = lane; b < bytes; b += 32) static_cast<char*>(dst)[b] = static_cast<char>(0xff);
 }
 
+// One thread fills the 4 bytes at dst with 0xff (a failed call's float output, as Poison).
+__device__ inline void PoisonWord(void* dst) { *static_cast<uint32_t*>(dst) = 0xffffffffu; }
+
 // Poisons a dispatch start's outputs: token_dest_pos [T, R] and slot_dest [T, K].
 __device__ inline void PoisonStart(int32_t* token_dest_pos, int32_t* slot_dest, int64_t num_tokens, int64_t num_ranks,
                                    int64_t topk) {
