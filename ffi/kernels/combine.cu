@@ -220,6 +220,7 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
   if (!limits.ok()) return limits;
   const int64_t item = c.type == FloatType::kF32 || c.partial_f32 ? 4 : 2;
   CombineParams p{c};
+  p.origin.split_start = phase == Phase::kStart;
   p.region = CombineRegion(c.num_tokens, c.topk, c.hidden * item);
   const Status staging = CheckStaging(p.region.bytes, g);
   if (!staging.ok()) return staging;

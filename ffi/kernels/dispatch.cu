@@ -499,6 +499,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
                                    std::to_string(kMaxItems) + " the kernels index");
   }
   DispatchParams p{c};
+  p.origin.split_start = phase == Phase::kStart;
   p.local_experts = c.num_experts / R;
   // Where the capacity holds every slot R ranks can route here and its padding, nothing drops, and "balanced" is
   // "expert": the kernel skips its search for the level.
@@ -526,7 +527,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
       status = CheckRouting(p.s, g);
       if (!status.ok()) return status;
     } else {
-      const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent, c.origin} : RoutingStart{};
+      const RoutingStart start = start_only ? RoutingStart{c.axis_index, c.sent, p.origin} : RoutingStart{};
       status = LaunchRouting(c.topk_idx, c.num_tokens, c.topk, c.num_experts, g, c.routed.slot_dest, c.routed.token_dest_pos,
                              start, stream);
       if (!status.ok() || start_only) return status;

@@ -55,6 +55,7 @@ constexpr uint32_t kMaxInstances = uint32_t{1} << 16;
 struct CallOrigin {
   uint32_t site = 0;
   uint32_t instance = 0;
+  bool split_start = false;  // a split op's start (set by its launcher): its instance's call ends when it opens it
 };
 
 // Why a call failed, in HostStatus::code and in the abort word.

@@ -63,6 +63,7 @@ struct Call {
   uint64_t tag;
   int op;
   uint32_t instance;  // its FFI instance (CallOrigin)
+  bool split_start;   // CallOrigin::split_start
 };
 
 // A thread's place in a kernel whose blocks of kBlockWarps warps share items: its lane, its warp in the block, its
@@ -80,7 +81,8 @@ struct GridWarp {
 
 __device__ inline Call CurrentCall(const GroupView& g, int op, const CallOrigin& origin) {
   const uint64_t number = Volatile(&g.signals->calls) + 1;
-  return Call{number, static_cast<int>(number & 1), TagOf(number, origin.site, op), op, origin.instance};
+  return Call{number, static_cast<int>(number & 1), TagOf(number, origin.site, op), op, origin.instance,
+              origin.split_start};
 }
 
 // Whether this is the first call of its FFI instance on this GPU: it waits the first-call timeout.
@@ -89,17 +91,18 @@ __device__ inline bool FirstOfInstance(const GroupView& g, const Call& call) {
   return ((word >> (call.instance % 32)) & 1) == 0;
 }
 
-// By one thread once a call's launch ends it (a finish's or a whole call's last block, or a start that leaves its
-// call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit. An
+// By one thread once a call's launch ends it (a finish's or a whole call's last block, or a split op's start that
+// leaves its call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit. An
 // atomic whose result nobody reads (a reduction): the thread does not wait for it at the end of the kernel.
 __device__ inline void MarkFirstCallMade(const GroupView& g, const Call& call) {
   atomicOr(&g.signals->first_done[call.instance / 32], 1u << (call.instance % 32));
 }
 
-// By one thread: a start leaves its call open for its finish (CallMayRun).
+// By one thread: a start leaves its call open for its finish (CallMayRun). The send launch of a whole call with NCCL
+// ranks opens it for its own receive launch, whose wait is still its instance's first: there FinishCall marks it.
 __device__ inline void OpenCall(const GroupView& g, const Call& call) {
   *reinterpret_cast<volatile uint64_t*>(&g.signals->open) = call.tag;
-  MarkFirstCallMade(g, call);
+  if (call.split_start) MarkFirstCallMade(g, call);
 }
 
 // Writes the host status from the abort word, once per GPU: the first thread to claim Signals::reported, unless
