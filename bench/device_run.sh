@@ -209,10 +209,10 @@ limit_of() {  # INDEX START: the step's limit if it starts START seconds into th
 
 # The build's limit: what the deadline leaves after the reserves of the steps, at most SUITE_BUILD_S (default 240)
 # and at least SUITE_BUILD_MIN_S (default 90): a build cut short fails every step, while the steps after a long build
-# are trimmed to the deadline.
+# are trimmed to the deadline. Its argument: the second the build starts (the plan: 0).
 build_limit() {
   local left cap=${SUITE_BUILD_S:-240}
-  left=$(time_left -1 "$SECONDS")
+  left=$(time_left -1 "$1")
   left=$((left > ${SUITE_BUILD_MIN_S:-90} ? left : ${SUITE_BUILD_MIN_S:-90}))
   echo $((left < cap ? left : cap))
 }
@@ -220,7 +220,7 @@ build_limit() {
 if [ "$mode" = plan ]; then  # the limits when every step takes its expected time, and when it takes its whole limit
   build=${SUITE_PLAN_BUILD_S:-20}
   echo "plan for $GPUS GPU(s), deadline $DEADLINE s, the build taking $build s (SUITE_PLAN_BUILD_S)"
-  echo "build: limit $(build_limit) s"
+  echo "build: limit $(build_limit 0) s"
   printf "%-16s %7s %7s %8s | %21s | %21s\n" "" "" "" "" "steps take expected" "steps take the limit"
   printf "%-16s %7s %7s %8s | %6s %6s %7s | %6s %6s %7s\n" step nominal reserve expected start limit status \
     start limit status
@@ -281,7 +281,7 @@ build_failed=""
 if [ "${SUITE_BUILD:-1}" = 0 ]; then
   say "build: skipped (SUITE_BUILD=0): using the jax_ep that python3 imports"
 else
-  run_step build "$(build_limit)" "" python3 -m pip install --no-build-isolation --no-deps -v -e .
+  run_step build "$(build_limit "$SECONDS")" "" python3 -m pip install --no-build-isolation --no-deps -v -e .
   if ! tail -1 "$STEPS_FILE" | grep -q '"status": "PASS"'; then
     build_failed="the build failed (logs/build.log)"
     grep -v -E "^\s*$" "$LOGS/build.log" | tail -40 | tee -a "$SUITE_LOG"
