@@ -67,6 +67,7 @@ enum FailCode : int32_t {
   kNcclTimeout = 5,  // an NCCL swap did not finish within the timeout (the watchdog aborted the communicator)
   kSplitOpen = 6,    // a call met a split op's start without its finish (or a finish without its start)
   kStaleRegion = 7,  // the region `peer` sent through NCCL lacked this call's tag: that rank gave up on the call
+  kNcclFailed = 8,   // an NCCL call of a swap returned an error (the call that met it names it); communicator aborted
 };
 
 // What one launch of a transfer does: the whole call, or one half of a split op. A start sends and leaves the

@@ -130,6 +130,9 @@ std::string DeviceResources::Failure() const {
       return "jax_ep: an NCCL swap on " + who +
              " with the ranks it reaches through NCCL did not finish within the timeout_s given to jax_ep.initialize, "
              "so its communicator was aborted" + out_of_step;
+    case kNcclFailed:
+      return "jax_ep: an NCCL call of a swap on " + who + " returned an error, so its communicator was aborted; "
+             "the error of the call that met it names NCCL's reason" + out_of_step;
   }
   return "jax_ep: " + who + " recorded failure code " + Str(code) + out_of_step;
 }

@@ -194,14 +194,13 @@ void NcclLink::Abort(ncclComm_t comm) {
 Status NcclLink::AbortLocked(const Status& why, bool timed_out, ncclComm_t* comm) {
   *comm = nullptr;
   if (aborted_) return failure_;
-  if (timed_out) {
-    volatile HostStatus* failed = status_;
-    if (failed->code == kOk) {
-      failed->peer = -1;
-      failed->reporter = rank_;
-      failed->call = failed->nccl_started;
-      failed->code = kNcclTimeout;
-    }
+  // Every later call of this GPU fails with this code, before its kernels meet the call this one left undone.
+  volatile HostStatus* failed = status_;
+  if (failed->code == kOk) {
+    failed->peer = -1;
+    failed->reporter = rank_;
+    failed->call = failed->nccl_started;
+    failed->code = timed_out ? kNcclTimeout : kNcclFailed;
   }
   *comm = comm_;
   comm_ = nullptr;
