@@ -378,16 +378,19 @@ def _empty_combine(config: Config, y: jax.Array) -> jax.Array:
 def _dispatch_site(op: str, config: Config, x) -> int:
     """The call site of a dispatch, with what its data's layout depends on: its configuration and x's rows."""
     dtype = jnp.dtype(x.dtype).name
-    operands = f"x [{', '.join(map(str, x.shape))}] {dtype}"
-    return call_sites.site(op, *config.shape_key(), x.shape[-1], dtype, operands=operands)
+    return call_sites.site(op, *config.shape_key(), x.shape[-1], dtype, operands=_described("x", x))
 
 
 def _combine_site(op: str, y, handle, weights, partial) -> int:
     """The call site of a combine, with what its data's layout depends on: the dispatch's configuration, y's rows,
     the weights' presence and the partial sums' dtype."""
     shape = (y.shape[-1], jnp.dtype(y.dtype).name, weights is None, jnp.dtype(partial).name)
-    operands = f"y [{', '.join(map(str, y.shape))}] {shape[1]}"
-    return call_sites.site(op, *handle.config.shape_key(), *shape, operands=operands)
+    return call_sites.site(op, *handle.config.shape_key(), *shape, operands=_described("y", y))
+
+
+def _described(name: str, a) -> str:
+    """``name [shape] dtype``: an operand in a call site's description."""
+    return f"{name} [{', '.join(map(str, a.shape))}] {jnp.dtype(a.dtype).name}"
 
 
 def _combine_partial_dtype(y, handle, weights, partial_dtype) -> Any:
