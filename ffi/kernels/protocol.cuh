@@ -92,8 +92,9 @@ __device__ inline bool FirstOfInstance(const GroupView& g, const Call& call) {
 }
 
 // By one thread once a call's launch ends it (a finish's or a whole call's last block, or a split op's start that
-// leaves its call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read the bit. An
-// atomic whose result nobody reads (a reduction): the thread does not wait for it at the end of the kernel.
+// leaves its call open): its FFI instance has made its first call on this GPU. Only this GPU's later kernels read
+// the bit. An atomic whose result nobody reads (a reduction): the thread does not wait for it at the end of the
+// kernel.
 __device__ inline void MarkFirstCallMade(const GroupView& g, const Call& call) {
   atomicOr(&g.signals->first_done[call.instance / 32], 1u << (call.instance % 32));
 }
