@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 namespace jax_ep {
@@ -84,6 +85,7 @@ std::string DeviceResources::Failure() const {
   const volatile HostStatus* s = status;
   const int code = s->code;
   if (code == kOk) return "";
+  std::atomic_thread_fence(std::memory_order_acquire);  // the fields its writer stored before the code
   const std::string where = "GPU " + Str(ordinal) + " (rank " + Str(rank) + " of its EP group)";
   const std::string site = s->tag != 0 ? ", call site " + Str(SiteOf(s->tag)) : "";  // the watchdog knows none
   const std::string call = OpName(s->op) + std::string(" (call ") + Str(static_cast<int64_t>(s->call)) + site + ")";
@@ -132,7 +134,7 @@ std::string DeviceResources::Failure() const {
              "so its communicator was aborted" + out_of_step;
     case kNcclFailed:
       return "jax_ep: an NCCL call of a swap on " + who + " returned an error, so its communicator was aborted; "
-             "the error of the call that met it names NCCL's reason" + out_of_step;
+             "the first jax_ep error raised in the process that holds that rank names NCCL's reason" + out_of_step;
   }
   return "jax_ep: " + who + " recorded failure code " + Str(code) + out_of_step;
 }

@@ -1,6 +1,7 @@
 // NCCL communicators, outboxes, inboxes and the swap watchdog of the ranks that reach each other through NCCL.
 #include "nccl_link.h"
 
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -200,6 +201,7 @@ Status NcclLink::AbortLocked(const Status& why, bool timed_out, ncclComm_t* comm
     failed->peer = -1;
     failed->reporter = rank_;
     failed->call = failed->nccl_started;
+    std::atomic_thread_fence(std::memory_order_release);  // the fields before the code, for its readers
     failed->code = timed_out ? kNcclTimeout : kNcclFailed;
   }
   *comm = comm_;
