@@ -2,7 +2,7 @@
 
 The slice: 200 fixed cases (campaign seed 0) over R = 1, 2, 4, 8, two shape buckets per R, backend "xla",
 every case bit for bit or within the contract's rounding of tests/reference.py. The bigger CPU campaign
-is ``python -m tools.fuzz --cases 10000`` (bench/results/reliability_fuzz_cpu.json).
+is ``python -m tools.fuzz --cases 100000 --buckets 8 --budget-s 1200`` (bench/results/reliability_fuzz_cpu.json).
 """
 
 import dataclasses
