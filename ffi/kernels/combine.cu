@@ -80,15 +80,18 @@ __device__ inline void PartialSum(const T* y, int64_t hidden, const int32_t* row
   }
 }
 
-// kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'.
-template <typename Y, typename P, bool kStageOwn>
+// kStageOwn (a split combine): this rank's partial sums are staged in the send phase like the peers'. kOneRank: a
+// group of one GPU, which sums every token from y: its code leaves out the staged parts (at T=128 each warp runs
+// most of the kernel once, and every stretch of code waits on its fetch).
+template <typename Y, typename P, bool kStageOwn, bool kOneRank>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, GroupView g) {
+  static_assert(!(kStageOwn && kOneRank), "a group of one GPU stages nothing");
   constexpr int kWide = CombineWide<Y, P>();
   __shared__ int32_t held_rows[kWarps][kMaxTopk];
   __shared__ float held_weights[kWarps][kMaxTopk];
   const Call call = CurrentCall(g, kOpCombine, p.origin);
   const GridWarp<kWarps> at;
-  const int R = g.num_ranks, me = g.rank;
+  const int R = kOneRank ? 1 : g.num_ranks, me = kOneRank ? 0 : g.rank;
   const int64_t T = p.num_tokens, H = p.hidden, K = p.topk;
   const Y* y = static_cast<const Y*>(p.y);
   int32_t* rows = held_rows[at.warp];
@@ -99,40 +102,45 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
 
   if (p.do_send) {
     if (p.sent != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.sent = 0.0f;
-    const int64_t sources = kStageOwn ? R : R - 1;
     SendShares(g, call, phase, p.region.bytes, [&](uint32_t share) {
-      if (!may_run) return;
-      for (int64_t item = static_cast<int64_t>(share) * kWarps + at.warp; item < sources * T * p.send_pieces;
-           item += at.stride) {
-        const UnitPiece up = SplitItem(item, p.send_pieces);
-        const int32_t peer_index = up.unit / static_cast<int32_t>(T), i = up.unit - peer_index * static_cast<int32_t>(T);
-        // Rank me + 1 + peer_index (mod R; me + peer_index with kStageOwn): the ranks start at different peers, so
-        // that they do not all store into one GPU at a time.
-        const int shifted = me + (kStageOwn ? 0 : 1) + peer_index;
-        const int source = shifted < R ? shifted : shifted - R;
-        if (i >= p.recv_counts[source]) continue;
-        const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
-        const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, at.lane);
-        char* region = RegionAt(g, call, source, p.region.bytes);
-        P* dst = reinterpret_cast<P*>(region + p.region.rows + i * p.region.stride);
-        int64_t begin, end;
-        PieceElements(H, p.width, p.send_pieces, up.piece, &begin, &end);
-        for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
-          float acc[kWide];
-          PartialSum(y, H, rows, weights, count, e, p.width, acc);
-          StoreValues<P, kWide>(dst + e, acc, p.width);
+      if constexpr (!kOneRank) {
+        if (!may_run) return;
+        const int64_t sources = kStageOwn ? R : R - 1;
+        for (int64_t item = static_cast<int64_t>(share) * kWarps + at.warp; item < sources * T * p.send_pieces;
+             item += at.stride) {
+          const UnitPiece up = SplitItem(item, p.send_pieces);
+          const int32_t peer_index = up.unit / static_cast<int32_t>(T);
+          const int32_t i = up.unit - peer_index * static_cast<int32_t>(T);
+          // Rank me + 1 + peer_index (mod R; me + peer_index with kStageOwn): the ranks start at different peers, so
+          // that they do not all store into one GPU at a time.
+          const int shifted = me + (kStageOwn ? 0 : 1) + peer_index;
+          const int source = shifted < R ? shifted : shifted - R;
+          if (i >= p.recv_counts[source]) continue;
+          const int32_t* rows_by_k = p.recv_rows + (source * T + i) * K;
+          const int count = SortedRows(rows_by_k, K, p.weights, rows, weights, at.lane);
+          char* region = RegionAt(g, call, source, p.region.bytes);
+          P* dst = reinterpret_cast<P*>(region + p.region.rows + i * p.region.stride);
+          int64_t begin, end;
+          PieceElements(H, p.width, p.send_pieces, up.piece, &begin, &end);
+          for (int64_t e = begin + at.lane * p.width; e < end; e += 32 * p.width) {
+            float acc[kWide];
+            PartialSum(y, H, rows, weights, count, e, p.width, acc);
+            StoreValues<P, kWide>(dst + e, acc, p.width);
+          }
+          if (up.piece == 0 && p.row_values != nullptr) {
+            float* values = reinterpret_cast<float*>(region + p.region.values) + i * K;
+            for (int64_t k = at.lane; k < K; k += 32) {
+              values[k] = rows_by_k[k] >= 0 ? p.row_values[rows_by_k[k]] : 0.0f;
+            }
+          }
+          __syncwarp();
         }
-        if (up.piece == 0 && p.row_values != nullptr) {
-          float* values = reinterpret_cast<float*>(region + p.region.values) + i * K;
-          for (int64_t k = at.lane; k < K; k += 32) values[k] = rows_by_k[k] >= 0 ? p.row_values[rows_by_k[k]] : 0.0f;
-        }
-        __syncwarp();
       }
     });
   }
   if (!p.do_receive) return;
-  NoteSwapDone(g, call);
-  if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
+  if (!kOneRank) NoteSwapDone(g, call);
+  if (!may_run || (!kOneRank && !WaitPeers(g, call, p.region.bytes))) {
     Poison(p.outputs.out, T * H * static_cast<int64_t>(sizeof(Y)));
     Poison(p.outputs.slot_values, T * K * 4);
     FinishCall(g, call, arrival);
@@ -156,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         const int32_t pos = dest_pos[d];
         if (pos < 0) continue;
         float part[kWide];
-        if (d == me && !kStageOwn) {
+        if (kOneRank || (d == me && !kStageOwn)) {
           PartialSum(y, H, rows, weights, count, e, p.width, part);
 #pragma unroll
           for (int v = 0; v < kWide; ++v) part[v] = ToFloat(FromFloat<P>(part[v]));  // the partial's rounding
@@ -175,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineParams p, Group
         const int32_t d = p.slot_dest[t * K + k];
         float value = 0.0f;
         if (d >= 0 && dest_pos[d] >= 0) {
-          if (d == me && !kStageOwn) {
+          if (kOneRank || (d == me && !kStageOwn)) {
             const int32_t row = p.recv_rows[(me * T + dest_pos[d]) * K + k];
             value = row >= 0 ? p.row_values[row] : 0.0f;
           } else {
@@ -205,7 +213,9 @@ Status Run(CombineParams p, const GroupView& g, const NcclSwap& swap, cudaStream
   const auto launch = [&](bool send, bool receive, int64_t items) {
     p.do_send = send;
     p.do_receive = receive;
-    const auto kernel = stage_own ? CombineKernel<Y, P, true> : CombineKernel<Y, P, false>;
+    const auto kernel = stage_own ? CombineKernel<Y, P, true, false>
+                        : R == 1  ? CombineKernel<Y, P, false, true>
+                                  : CombineKernel<Y, P, false, false>;
     kernel<<<BlocksFor(items, g.max_blocks), kThreads, 0, stream>>>(p, g);
     return LaunchStatus("CombineKernel");
   };
@@ -238,21 +248,25 @@ Status LaunchCombine(const CombineCall& c, const GroupView& g, const NcclSwap& s
   return Status::InvalidArgument("unknown float type");
 }
 
-Status PrepareCombineKernels() {
+template <typename Y, typename P>
+Status LoadCombineKernels() {
   return LoadKernels(
       {
-          reinterpret_cast<const void*>(CombineKernel<float, float, false>),
-          reinterpret_cast<const void*>(CombineKernel<float, float, true>),
-          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, __nv_bfloat16, false>),
-          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, __nv_bfloat16, true>),
-          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, float, false>),
-          reinterpret_cast<const void*>(CombineKernel<__nv_bfloat16, float, true>),
-          reinterpret_cast<const void*>(CombineKernel<__half, __half, false>),
-          reinterpret_cast<const void*>(CombineKernel<__half, __half, true>),
-          reinterpret_cast<const void*>(CombineKernel<__half, float, false>),
-          reinterpret_cast<const void*>(CombineKernel<__half, float, true>),
+          reinterpret_cast<const void*>(CombineKernel<Y, P, false, false>),
+          reinterpret_cast<const void*>(CombineKernel<Y, P, true, false>),
+          reinterpret_cast<const void*>(CombineKernel<Y, P, false, true>),
       },
       "CombineKernel");
+}
+
+Status PrepareCombineKernels() {
+  for (const Status& status :
+       {LoadCombineKernels<float, float>(), LoadCombineKernels<__nv_bfloat16, __nv_bfloat16>(),
+        LoadCombineKernels<__nv_bfloat16, float>(), LoadCombineKernels<__half, __half>(),
+        LoadCombineKernels<__half, float>()}) {
+    if (!status.ok()) return status;
+  }
+  return Status::Ok();
 }
 
 }  // namespace jax_ep

@@ -157,12 +157,13 @@ __device__ int32_t BalancedLevel(const DispatchParams& p, const Tables& t, int32
 // the balanced search), after the tables. Block 0 also writes group_sizes and expert_load, a thread per expert, and
 // each warp's dropped slots (WriteCounts sums them).
 // kSearch: drop policy "balanced" where slots can drop (p.balanced); an instance of its own, so that the others carry
-// none of its code. The loops over a thread's experts (mostly one) stay rolled: at small sizes each warp runs its
-// code about once, and the kernel waits on fetching it (Nsight Compute's "no instruction" stalls).
-template <bool kSearch>
+// none of its code. kOneRank: a group of one GPU (no peers' counts). The loops over a thread's experts (mostly one)
+// stay rolled: at small sizes each warp runs its code about once, and the kernel waits on fetching it (Nsight
+// Compute's "no instruction" stalls).
+template <bool kSearch, bool kOneRank>
 __device__ void BuildTables(const DispatchParams& p, const GroupView& g, const Call& call, const int32_t* scratch,
                             Tables t) {
-  const int R = g.num_ranks, me = g.rank;
+  const int R = kOneRank ? 1 : g.num_ranks, me = kOneRank ? 0 : g.rank;
   const int32_t L = static_cast<int32_t>(p.local_experts);
   const int64_t C = p.capacity;
   const bool writes_counts = blockIdx.x == 0;
@@ -360,9 +361,10 @@ __device__ bool RouteAndCheck(const DispatchParams& p, const GroupView& g, const
   return may_run;
 }
 
-// kRoute: this launch routes (RouteAndCheck); kSearch: BuildTables<kSearch>. Separate instances, so that each
-// launch carries only the code it runs.
-template <bool kRoute, bool kSearch>
+// kRoute: this launch routes (RouteAndCheck); kSearch: BuildTables<kSearch>; kOneRank: a group of one GPU, whose
+// every token comes from x. Separate instances, so that each launch carries only the code it runs (at T=128 each
+// warp runs most of the kernel once, and every stretch of code waits on its fetch).
+template <bool kRoute, bool kSearch, bool kOneRank>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, GroupView g) {
   // With the routing in the kernel (RouteAndCheck): its scratch, then its rows, where the row tables go after it.
   extern __shared__ uint4 shared_words[];
@@ -373,7 +375,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   __shared__ int32_t dropped_of_warp[kWarps];
   const Call call = CurrentCall(g, kOpDispatch, p.origin);
   const GridWarp<kWarps> at;
-  const int R = g.num_ranks, me = g.rank;
+  const int R = kOneRank ? 1 : g.num_ranks, me = kOneRank ? 0 : g.rank;
   const int64_t T = p.num_tokens, K = p.topk;
   int32_t* own_scratch = reinterpret_cast<int32_t*>(shared_words);
   const int32_t* scratch = kRoute ? own_scratch : g.scratch;
@@ -395,33 +397,35 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
         const int32_t t = p.ranks.Divide(static_cast<int32_t>(i));
         p.routed.token_dest_pos[i] = TokenPos(p, scratch, R, t, static_cast<int>(i - t * R));
       }
-      for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += at.stride) {
-        const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
-        const int32_t t = up.token, dest = up.dest;
-        const int32_t pos = TokenPos(p, scratch, R, t, dest);
-        if (pos < 0) continue;
-        StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, at.lane);
-        if (up.piece == 0) {
-          char* region = RegionAt(g, call, dest, p.region.bytes);
-          StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
-          for (int64_t k = at.lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
-        }
-      }
-      if (share == 0 && at.warp == 0) {  // this rank's counts for each peer's local experts
-        for (int dest = 0; dest < R; ++dest) {
-          if (dest == me) continue;
-          int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
-          for (int64_t l = at.lane; l < p.local_experts; l += 32) {
-            counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
+      if constexpr (!kOneRank) {
+        for (int64_t item = first; item < T * (R - 1) * p.send_pieces.value; item += at.stride) {
+          const PeerItem up = SplitPeerItem(item, p.send_pieces, p.peers, me);
+          const int32_t t = up.token, dest = up.dest;
+          const int32_t pos = TokenPos(p, scratch, R, t, dest);
+          if (pos < 0) continue;
+          StoreTokenPiece(g, call, p.region, p.x, p.row_bytes, t, dest, pos, p.send_pieces, up.piece, at.lane);
+          if (up.piece == 0) {
+            char* region = RegionAt(g, call, dest, p.region.bytes);
+            StagedSlot* slots = reinterpret_cast<StagedSlot*>(region + p.region.meta) + pos * K;
+            for (int64_t k = at.lane; k < K; k += 32) slots[k] = SlotFor(p, scratch, t, k, dest);
           }
-          if (at.lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
+        }
+        if (share == 0 && at.warp == 0) {  // this rank's counts for each peer's local experts
+          for (int dest = 0; dest < R; ++dest) {
+            if (dest == me) continue;
+            int32_t* counts = reinterpret_cast<int32_t*>(RegionAt(g, call, dest, p.region.bytes) + p.region.counts);
+            for (int64_t l = at.lane; l < p.local_experts; l += 32) {
+              counts[l] = scratch[p.s.expert_count + dest * p.local_experts + l];
+            }
+            if (at.lane == 0) counts[p.local_experts] = scratch[p.s.rank_count + dest];
+          }
         }
       }
     });
   }
   if (!p.do_receive) return;
-  NoteSwapDone(g, call);
-  if (!may_run || !WaitPeers(g, call, p.region.bytes)) {
+  if (!kOneRank) NoteSwapDone(g, call);
+  if (!may_run || (!kOneRank && !WaitPeers(g, call, p.region.bytes))) {
     PoisonOutputs(p, R);
     FinishCall(g, call, arrival);
     return;
@@ -430,7 +434,7 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
   const int64_t L = p.local_experts;
   const Tables tables{table_memory, table_memory + R * L, table_memory + R * L + L, table_memory + R * L + 2 * L,
                       recv_count, &data_end, dropped_of_warp};
-  BuildTables<kSearch>(p, g, call, scratch, tables);
+  BuildTables<kSearch, kOneRank>(p, g, call, scratch, tables);
   if (blockIdx.x == 0 && at.warp == 0) WriteCounts(p, g, scratch, tables, at.lane);
   const int64_t token_items = R * T * p.recv_pieces.value;
   const int64_t fill_items = (p.num_rows + 31) / 32 * p.fill_pieces.value;
@@ -441,12 +445,12 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
       continue;
     }
     const UnitPiece up = SplitItem(item, p.recv_pieces);
-    const int source = p.tokens.Divide(up.unit);
+    const int source = kOneRank ? 0 : p.tokens.Divide(up.unit);
     const int32_t i = up.unit - source * static_cast<int32_t>(T);
     if (up.piece == 0 && i >= recv_count[source]) {
       for (int64_t k = at.lane; k < K; k += 32) p.received.recv_rows[(source * T + i) * K + k] = -1;
     }
-    if (source == me) {  // i is one of this rank's own tokens: its row comes straight from x
+    if (kOneRank || source == me) {  // i is one of this rank's own tokens: its row comes straight from x
       // Loaded together with the slots: when pos < 0, no slot is for this rank either, and nothing is written.
       const int32_t pos = TokenPos(p, scratch, R, i, me);
       auto slot = [&](int64_t k) { return SlotFor(p, scratch, i, k, me); };
@@ -459,6 +463,19 @@ __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchParams p, Gro
     }
   }
   FinishCall(g, call, arrival);
+}
+
+using DispatchKernelType = decltype(&DispatchKernel<false, false, false>);
+
+template <bool kRoute, bool kSearch>
+DispatchKernelType Instance(bool one_rank) {
+  return one_rank ? DispatchKernel<kRoute, kSearch, true> : DispatchKernel<kRoute, kSearch, false>;
+}
+
+// DispatchKernel's instance for a launch.
+DispatchKernelType Instance(bool route, bool search, bool one_rank) {
+  return route ? (search ? Instance<true, true>(one_rank) : Instance<true, false>(one_rank))
+               : (search ? Instance<false, true>(one_rank) : Instance<false, false>(one_rank));
 }
 
 // The dispatch's checks and plan: its regions fit a staging half, each phase's pieces per row, and its warp
@@ -539,8 +556,7 @@ Status LaunchDispatch(const DispatchCall& c, const GroupView& g, const NcclSwap&
     p.do_send = send;
     p.do_receive = receive;
     const bool search = receive && p.balanced;
-    const auto kernel = route && send ? (search ? DispatchKernel<true, true> : DispatchKernel<true, false>)
-                                      : (search ? DispatchKernel<false, true> : DispatchKernel<false, false>);
+    const auto kernel = Instance(route && send, search, R == 1);
     kernel<<<BlocksFor(items, g.max_blocks), kThreads, shared, stream>>>(p, g);
     return LaunchStatus("DispatchKernel");
   };
@@ -552,8 +568,8 @@ Status PrepareKernels() {
   if (status.ok()) status = PrepareCombineKernels();
   if (status.ok()) status = PrepareCombineBackwardKernels();
   if (!status.ok()) return status;
-  for (const auto kernel : {DispatchKernel<false, false>, DispatchKernel<false, true>, DispatchKernel<true, false>,
-                            DispatchKernel<true, true>}) {
+  for (int i = 0; i < 8; ++i) {
+    const auto kernel = Instance(i & 1, i & 2, i & 4);
     const cudaError_t error =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTableSharedBytes);
     if (error != cudaSuccess) {
