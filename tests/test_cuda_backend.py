@@ -481,6 +481,26 @@ def test_too_large_for_the_group_is_a_clear_error(mesh):
         jax.block_until_ready(_run(mesh, "cuda", x, idx, w, num_experts=256))
 
 
+@pytest.mark.parametrize("target,result", [("jax_ep_dispatch", "x"), ("jax_ep_dispatch", "recv_rows")])
+def test_a_result_of_another_size_than_the_kernels_write_fails_the_call(mesh, monkeypatch, target, result):
+    """The handlers check each result's size against what the kernels write, so a spec in jax_ep/ep/cuda.py that
+    disagreed with ffi/ fails the call instead of letting a kernel write past a buffer."""
+    import jax_ep
+    from jax_ep.ep import cuda
+
+    spec = cuda.TARGETS[target]
+    results = tuple(r._replace(shape=r.shape[:-1]) if r.name == result else r for r in spec.results)
+    monkeypatch.setitem(cuda.TARGETS, target, spec._replace(results=results))
+
+    def f(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda")
+        return d.group_sizes[None]
+
+    x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=3)
+    with jax.set_mesh(mesh), pytest.raises(Exception, match=f"result {result} has [0-9]+ bytes where the kernels"):
+        jax.block_until_ready(jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w))
+
+
 def test_a_missing_peer_times_out_and_every_later_call_says_why(mesh, transport):
     """Only rank 0 enters a combine: it gives up after timeout_s (over NCCL: the watchdog aborts the
     communicator), its outputs are NaN, and the next call and Group.check fail naming what happened."""

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -154,6 +155,30 @@ ffi::ErrorOr<FloatType> TypeOf(const char* op, ffi::DataType type) {
   return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(op) + ": rows must be float32, bfloat16 or float16"));
 }
 
+// A result's bytes and the bytes its launcher writes there.
+struct Extent {
+  const char* name;
+  size_t bytes;
+  int64_t written;
+};
+template <typename Buffer>
+Extent ExtentOf(const char* name, ffi::Result<Buffer>& result, int64_t written) {
+  return Extent{name, result->size_bytes(), written};
+}
+
+// Results whose size is not what the kernels write fail the call: a spec in jax_ep/ep/cuda.py that disagrees
+// with ffi/ must not make a kernel write past a buffer.
+ffi::Error CheckExtents(const char* op, std::initializer_list<Extent> extents) {
+  for (const Extent& extent : extents) {
+    if (static_cast<int64_t>(extent.bytes) != extent.written) {
+      return ffi::Error::Internal(std::string(op) + ": result " + extent.name + " has " + Str(extent.bytes) +
+                                  " bytes where the kernels write " + Str(extent.written) +
+                                  " (a bug in jax_ep: jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // A result's data, converted to the pointer type of the launcher's field it fills.
 struct Data {
   void* data;
@@ -207,16 +232,42 @@ ffi::Error RunDispatch(const char* op, cudaStream_t stream, int32_t ordinal, Gro
                     .balanced = attrs.balanced};
   auto rets = std::tie(results...);
   constexpr size_t kReceived = kDispatchReceived, kRouted = kDispatchRouted;
+  const int64_t R = found->view.num_ranks, K = call.topk, N = call.num_rows, I = sizeof(int32_t);
+  // The received results (RECEIVED in jax_ep/ep/types.py, in order), and the routed.
+  const auto received_extents = [&](auto& r) {
+    const int64_t x_bytes = T == 0 ? static_cast<int64_t>(std::get<0>(r)->size_bytes()) : N * call.row_bytes;
+    return CheckExtents(op, {ExtentOf("x", std::get<0>(r), x_bytes),  // rows of x's width (T = 0: any)
+                             ExtentOf("weights", std::get<1>(r), N * 4),
+                             ExtentOf("group_sizes", std::get<2>(r), L * I),
+                             ExtentOf("num_dropped", std::get<3>(r), I),
+                             ExtentOf("num_invalid", std::get<4>(r), I),
+                             ExtentOf("expert_load", std::get<5>(r), L * I),
+                             ExtentOf("send_counts", std::get<6>(r), R * I),
+                             ExtentOf("recv_rows", std::get<7>(r), R * T * K * I),
+                             ExtentOf("recv_counts", std::get<8>(r), R * I),
+                             ExtentOf("row_slot", std::get<9>(r), N * I)});
+  };
+  const auto routed_extents = [&](auto& token_dest_pos, auto& slot_dest) {
+    return CheckExtents(op, {ExtentOf("token_dest_pos", token_dest_pos, T * R * I),
+                             ExtentOf("slot_dest", slot_dest, T * K * I)});
+  };
   if constexpr (kPhase == Phase::kWhole) {
     static_assert(sizeof...(Results) == kReceived + kRouted);
+    if (auto error = received_extents(rets); error.failure()) return error;
+    if (auto error = routed_extents(std::get<kReceived>(rets), std::get<kReceived + 1>(rets)); error.failure()) {
+      return error;
+    }
     call.received = Fill<DispatchReceived, kReceived>(rets);
     call.routed = Fill<DispatchRouted, kRouted, kReceived>(rets);
   } else if constexpr (kPhase == Phase::kStart) {
     static_assert(sizeof...(Results) == kRouted + 1);
+    if (auto error = routed_extents(std::get<0>(rets), std::get<1>(rets)); error.failure()) return error;
+    if (auto error = CheckExtents(op, {ExtentOf("sent", std::get<kRouted>(rets), 4)}); error.failure()) return error;
     call.routed = Fill<DispatchRouted, kRouted>(rets);
     call.sent = DataOf(std::get<kRouted>(rets));
   } else {
     static_assert(sizeof...(Results) == kReceived);
+    if (auto error = received_extents(rets); error.failure()) return error;
     call.received = Fill<DispatchReceived, kReceived>(rets);
   }
   return ToFfi(op, LaunchDispatch(call, found->view, found->swap, stream, kPhase));
@@ -252,8 +303,16 @@ ffi::Error RunCombineBackward(const char* op, cudaStream_t stream, int32_t ordin
                            .type = *type};
   auto rets = std::tie(results...);
   if constexpr (kPhase == Phase::kStart) {
+    if (auto error = CheckExtents(op, {ExtentOf("sent", std::get<0>(rets), 4)}); error.failure()) return error;
     call.sent = DataOf(std::get<0>(rets));
   } else {
+    const int64_t weighted = call.weights != nullptr ? call.num_rows * 4 : 0;
+    const int64_t dy_bytes = call.num_rows * call.hidden * static_cast<int64_t>(ffi::ByteWidth(g.element_type()));
+    if (auto error = CheckExtents(op, {ExtentOf("dy", std::get<0>(rets), dy_bytes),
+                                       ExtentOf("dweights", std::get<1>(rets), weighted)});
+        error.failure()) {
+      return error;
+    }
     call.outputs = Fill<CombineBackwardOutputs, 2>(rets);
   }
   return ToFfi(op, LaunchCombineBackward(call, found->view, found->swap, stream, kPhase));
@@ -292,9 +351,21 @@ ffi::Error RunCombine(const char* op, cudaStream_t stream, int32_t ordinal, Grou
                    .partial_f32 = attrs.partial_f32,
                    .stage_own = attrs.stage_own};
   if constexpr (kPhase == Phase::kStart) {
+    if (auto error = CheckExtents(op, {ExtentOf("sent", std::get<0>(rets), 4)}); error.failure()) return error;
     call.sent = DataOf(std::get<0>(rets));
   } else {
-    call.hidden = std::get<0>(rets)->dimensions()[1];  // out [T, H]: a finish with stage_own has no y rows
+    const auto out_dims = std::get<0>(rets)->dimensions();
+    // slot_values: [T, K] with values (a finish with stage_own has them staged, not as an operand), else [0].
+    const int64_t valued = std::get<1>(rets)->element_count() != 0 ? call.num_tokens * call.topk * 4 : 0;
+    if (out_dims.size() != 2 || out_dims[0] != call.num_tokens ||
+        (call.y != nullptr && out_dims[1] != call.hidden)) {
+      return ffi::Error::Internal(std::string(op) + ": result out must be [T, H] (a bug in jax_ep: "
+                                  "jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
+    }
+    if (auto error = CheckExtents(op, {ExtentOf("slot_values", std::get<1>(rets), valued)}); error.failure()) {
+      return error;
+    }
+    call.hidden = out_dims[1];  // out [T, H]: a finish with stage_own has no y rows
     call.outputs = Fill<CombineOutputs, 2>(rets);
     if (std::get<1>(rets)->element_count() == 0) call.outputs.slot_values = nullptr;
   }
