@@ -713,19 +713,30 @@ def test_moe_layer_bench_cpu_dry_run_times_every_row_at_every_skew(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_layer_profile_cpu_dry_run_skews_the_routing(tmp_path):
+@pytest.mark.parametrize("skews", [["3"], ["1", "3"]], ids=["one_skew", "two_skews"])
+def test_moe_layer_profile_cpu_dry_run_skews_the_routing(tmp_path, skews):
     """The layer profile on CPU (backend xla, small shapes) with --skew 3: the busiest expert gets three times the
-    mean load, recorded beside the step's kernel time by scope, the experts' among it."""
+    mean load, recorded beside the step's kernel time by scope, the experts' among it. With two skews, one compile
+    serves both, each skew is a record of "runs", and a table of both ends the output."""
     out = tmp_path / "profile.json"
     command = [sys.executable, "-m", "bench.moe_layer_profile", str(out), "--tokens", "256", "--hidden", "128"]
     command += ["--intermediate", "64", "--experts", "8", "--topk", "2", "--shared", "0", "--backend", "xla"]
-    command += ["--steps", "1", "--skew", "3"]
+    command += ["--steps", "1", "--skew", *skews]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, cwd=ROOT, env=env, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["skew"] == 3.0 and abs(result["routing"]["max_over_mean"] - 3.0) < 0.1
-    assert result["routing"]["shift"] > 0 and result["kernel_us_per_step"]["by_scope"]["experts"] > 0
+    runs = result["runs"] if len(skews) > 1 else [result]
+    assert [run["skew"] for run in runs] == [float(s) for s in skews]
+    for run in runs:
+        assert abs(run["routing"]["max_over_mean"] - run["skew"]) < 0.1 or run["skew"] == 1.0
+        assert run["kernel_us_per_step"]["by_scope"]["experts"] > 0
+    assert runs[-1]["routing"]["shift"] > 0
+    assert done.stdout.count("] compiled\n") == 1
+    table = done.stdout.strip().splitlines()[-len(skews) - 1 :]
+    assert table[0].startswith("skew | max/mean | step | kernels") and [row.split(" | ")[0] for row in table[1:]] == [
+        f"{float(s):g}" for s in skews
+    ]
 
 
 def test_run_session_returns_the_exit_code_and_kills_the_whole_session_on_timeout(tmp_path):
