@@ -481,23 +481,37 @@ def test_too_large_for_the_group_is_a_clear_error(mesh):
         jax.block_until_ready(_run(mesh, "cuda", x, idx, w, num_experts=256))
 
 
-@pytest.mark.parametrize("target,result", [("jax_ep_dispatch", "x"), ("jax_ep_dispatch", "recv_rows")])
+RESIZED = [("jax_ep_dispatch", "x"), ("jax_ep_dispatch", "recv_rows"), ("jax_ep_combine", "out")]
+RESIZED += [("jax_ep_combine", "slot_values"), ("jax_ep_combine_backward", "dy")]
+
+
+@pytest.mark.parametrize("target,result", RESIZED)
 def test_a_result_of_another_size_than_the_kernels_write_fails_the_call(mesh, monkeypatch, target, result):
     """The handlers check each result's size against what the kernels write, so a spec in jax_ep/ep/cuda.py that
-    disagreed with ffi/ fails the call instead of letting a kernel write past a buffer."""
+    disagreed with ffi/ fails the call instead of letting a kernel write past a buffer. The calls are made as
+    cuda.py makes them, below the public ops (whose reshapes would refuse the wrong shapes first)."""
     import jax_ep
     from jax_ep.ep import cuda
 
-    spec = cuda.TARGETS[target]
-    results = tuple(r._replace(shape=r.shape[:-1]) if r.name == result else r for r in spec.results)
-    monkeypatch.setitem(cuda.TARGETS, target, spec._replace(results=results))
-
     def f(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, num_experts=16, axis_name="ep", backend="cuda")
-        return d.group_sizes[None]
+        h, config = d.handle, d.handle.config
+        rows, weights = d.x.reshape(config.num_rows, -1), d.weights.reshape(-1)
+        spec = cuda.TARGETS[target]
+        resized = tuple(r._replace(shape=r.shape[:-1]) if r.name == result else r for r in spec.results)
+        with monkeypatch.context() as patch:
+            patch.setitem(cuda.TARGETS, target, spec._replace(results=resized))
+            if target == "jax_ep_dispatch":
+                out = cuda._dispatch(target, config, x, idx, w)
+            elif target == "jax_ep_combine":
+                operands = cuda._combine_operands(h, rows, weights, weights)  # row values: slot_values [T, K]
+                out = cuda._combine(target, config, operands, rows.shape[1], rows.dtype, site=1, with_values=True)
+            else:
+                out = cuda._backward(target, h, cuda._backward_operands(h, x, rows, weights), rows, weights, site=1)
+        return jnp.stack([jnp.sum(v.astype(jnp.float32)) for v in out.values()])[None]
 
     x, idx, w = _inputs(mesh, "uniform", 64, 128, 4, 16, jnp.float32, seed=3)
-    with jax.set_mesh(mesh), pytest.raises(Exception, match=f"result {result} has [0-9]+ bytes where the kernels"):
+    with jax.set_mesh(mesh), pytest.raises(Exception, match=f"result {result} (has [0-9]+ bytes|must be)"):
         jax.block_until_ready(jax.jit(jax.shard_map(f, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w))
 
 

@@ -7,6 +7,7 @@ for axis "ep" into ``jax_ep.ep.group``'s registry, which is where ``jax_ep/ep/cu
 the CUDA extension (CI builds it), whose result names and limits the calls are built from.
 """
 
+import math
 import re
 from collections import Counter
 
@@ -213,21 +214,21 @@ def test_cuda_topk_over_the_kernels_limit_is_a_clear_error(monkeypatch, extensio
         _trace_cuda_dispatch(topk)
 
 
-def _ffi_calls(jaxpr) -> list[tuple[str, dict]]:
-    """Every ffi_call of ``jaxpr`` and its sub-jaxprs, in order: (target name, attributes)."""
-    calls = []
+def _ffi_eqns(jaxpr) -> list:
+    """Every ffi_call equation of ``jaxpr`` and its sub-jaxprs, in order."""
+    eqns = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "ffi_call":
-            calls.append((eqn.params["target_name"], dict(eqn.params["attributes"])))
+            eqns.append(eqn)
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else [param]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    calls.extend(_ffi_calls(inner))
-    return calls
+                    eqns.extend(_ffi_eqns(inner))
+    return eqns
 
 
-def _traced(body):
+def _traced_eqns(body, x=ARGS[0]) -> list:
     """The FFI calls of the gradient of sum(body(x, idx, w) ** 2), body inside shard_map over the stand-in group."""
 
     def loss(x, idx, w):
@@ -235,7 +236,12 @@ def _traced(body):
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     with jax.set_mesh(cpu_mesh((2,), ("ep",))):
-        return _ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(*ARGS).jaxpr)
+        return _ffi_eqns(jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(x, *ARGS[1:]).jaxpr)
+
+
+def _traced(body) -> list[tuple[str, dict]]:
+    """(target name, attributes) of each FFI call of :func:`_traced_eqns`."""
+    return [(eqn.params["target_name"], dict(eqn.params["attributes"])) for eqn in _traced_eqns(body)]
 
 
 def _whole(x, idx, w):
@@ -251,6 +257,103 @@ def _split(x, idx, w):
 def _separate(x, idx, w):
     d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda", transfer="separate")
     return jax_ep.combine(d.x * 2, d.handle, weights=d.weights)
+
+
+def _handler_refuses(eqn, num_ranks: int) -> str | None:
+    """Why ffi/xla/handlers.cc would refuse this call's operand and result sizes (None: it takes them), restated
+    from its checks so that CPUs catch a spec in jax_ep/ep/cuda.py that the handlers would refuse on a GPU."""
+    target = eqn.params["target_name"].removesuffix("_uncaptured")
+    attrs = dict(eqn.params["attributes"])
+    ins = [v.aval for v in eqn.invars]
+    outs = [v.aval for v in eqn.outvars]
+    phase = next((half for half in ("start", "finish") if target.endswith(half)), "whole")
+
+    def nbytes(a):
+        return math.prod(a.shape) * a.dtype.itemsize
+
+    if target.startswith("jax_ep_dispatch"):
+        x, idx = ins[0], ins[1]
+        t, k = idx.shape
+        local = attrs["num_experts"] // num_ranks
+        n = local * attrs["capacity"] if attrs["expert_layout"] else attrs["capacity"]
+        row_bytes = nbytes(x) // t
+        received = [n * row_bytes, 4 * n, 4 * local, 4, 4, 4 * local, 4 * num_ranks, 4 * num_ranks * t * k]
+        received += [4 * num_ranks, 4 * n]
+        routed = [4 * t * num_ranks, 4 * t * k]
+        expected = {"whole": received + routed, "start": routed + [4], "finish": received}[phase]
+        got = [nbytes(a) for a in outs]
+        return None if got == expected else f"{target}: results of {got} bytes, the kernels write {expected}"
+    if target.startswith("jax_ep_combine_backward"):
+        g, y, weights, row_slot = ins[0], ins[1], ins[2], ins[6]
+        if row_slot.shape[0] != y.shape[0] or weights.shape[0] not in (0, y.shape[0]):
+            return f"{target}: row_slot {row_slot.shape} and weights {weights.shape} against y {y.shape}"
+        dy_bytes = y.shape[0] * g.shape[1] * g.dtype.itemsize
+        expected = [4] if phase == "start" else [dy_bytes, 4 * y.shape[0] if weights.shape[0] else 0]
+        got = [nbytes(a) for a in outs]
+        return None if got == expected else f"{target}: results of {got} bytes, the kernels write {expected}"
+    y, weights, row_values, token_dest_pos, slot_dest = ins[0], ins[1], ins[2], ins[5], ins[6]
+    reads_y = not (attrs["stage_own"] and phase == "finish")
+    if reads_y and any(a.shape[0] not in (0, y.shape[0]) for a in (weights, row_values)):
+        return f"{target}: weights {weights.shape} and row_values {row_values.shape} against y {y.shape}"
+    if phase == "start":
+        return None if [nbytes(a) for a in outs] == [4] else f"{target}: sent of {outs}"
+    out, slot_values = outs
+    t, k = token_dest_pos.shape[0], slot_dest.shape[1]
+    if out.ndim != 2 or out.shape[0] != t or (reads_y and (out.shape[1] != y.shape[1] or out.dtype != y.dtype)):
+        return f"{target}: out {out} against y {y} and T={t}"
+    valued = row_values.shape[0] != 0 if reads_y else slot_values.shape[0] != 0
+    return None if nbytes(slot_values) == (4 * t * k if valued else 0) else f"{target}: slot_values {slot_values}"
+
+
+def _fp8(x, idx, w):
+    d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda", wire_dtype=jnp.float8_e4m3fn)
+    return jax_ep.combine(d.x * 2, d.handle, weights=d.weights, partial_dtype=jnp.float32)
+
+
+def _split_fp8_expert(x, idx, w):
+    kw = dict(num_experts=8, axis_name="ep", backend="cuda", wire_dtype=jnp.float8_e4m3fn, layout="expert")
+    d = jax_ep.dispatch_finish(jax_ep.dispatch_start(x, idx, w, **kw))
+    return jax_ep.combine_finish(jax_ep.combine_start(d.x * 2, d.handle, weights=d.weights))
+
+
+@pytest.mark.parametrize(
+    "body", [_whole, _split, _separate, _fp8, _split_fp8_expert], ids=["whole", "split", "separate", "fp8", "split_fp8"]
+)
+def test_every_call_the_ops_make_has_the_sizes_the_handlers_check(monkeypatch, extension, body):
+    """The operand and result sizes of every FFI call of the ops and their gradients (whole and split, the rows
+    moved separately, FP8 rows, both layouts) pass the size checks of the handlers, which refuse a call otherwise:
+    a spec that the handlers would refuse fails here, on CPUs."""
+    _stand_in_group(monkeypatch)
+    eqns = _traced_eqns(body, jax.ShapeDtypeStruct((8, 128), jnp.bfloat16))
+    targets = {eqn.params["target_name"] for eqn in eqns}
+    assert len(eqns) >= 4 and any(t.startswith("jax_ep_combine_backward") for t in targets), targets
+    assert [why for eqn in eqns if (why := _handler_refuses(eqn, num_ranks=2))] == []
+
+
+def test_the_size_checks_restated_here_refuse_a_wrong_spec(monkeypatch, extension):
+    """The restated checks refuse a dispatch whose x is declared a row short, and a combine without row values
+    whose slot_values are [T, K]: the test above would fail if cuda.py declared them so."""
+    from jax_ep.ep import cuda
+
+    _stand_in_group(monkeypatch)
+    spec = cuda.TARGETS["jax_ep_dispatch"]
+    short_x = tuple(r._replace(shape=r.shape[:-1]) if r.name == "x" else r for r in spec.results)
+    monkeypatch.setitem(cuda.TARGETS, "jax_ep_dispatch", spec._replace(results=short_x))
+
+    def weights(x, idx, w):  # the forward pass alone: combine would refuse d.x of one dimension
+        return jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda").weights
+
+    with jax.set_mesh(cpu_mesh((2,), ("ep",))):
+        traced = jax.make_jaxpr(jax.shard_map(weights, in_specs=P("ep"), out_specs=P("ep")))(*ARGS)
+    refusals = [why for eqn in _ffi_eqns(traced.jaxpr) if (why := _handler_refuses(eqn, num_ranks=2))]
+    assert len(refusals) == 1 and refusals[0].startswith("jax_ep_dispatch: results of"), refusals
+
+    monkeypatch.setitem(cuda.TARGETS, "jax_ep_dispatch", spec)
+    combine = cuda._combine
+    monkeypatch.setattr(cuda, "_combine", lambda *args, **kw: combine(*args, **{**kw, "with_values": True}))
+    eqns = _traced_eqns(_whole, jax.ShapeDtypeStruct((8, 128), jnp.bfloat16))
+    refusals = [why for eqn in eqns if (why := _handler_refuses(eqn, num_ranks=2))]
+    assert len(refusals) == 1 and refusals[0].startswith("jax_ep_combine: slot_values"), refusals
 
 
 @pytest.mark.parametrize("body", [_whole, _split, _separate], ids=["whole", "split", "separate"])

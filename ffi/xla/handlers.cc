@@ -171,7 +171,8 @@ Extent ExtentOf(const char* name, ffi::Result<Buffer>& result, int64_t written) 
 ffi::Error CheckExtents(const char* op, std::initializer_list<Extent> extents) {
   for (const Extent& extent : extents) {
     if (static_cast<int64_t>(extent.bytes) != extent.written) {
-      return ffi::Error::Internal(std::string(op) + ": result " + extent.name + " has " + Str(extent.bytes) +
+      return ffi::Error::Internal(std::string(op) + ": result " + extent.name + " has " +
+                                  Str(static_cast<int64_t>(extent.bytes)) +
                                   " bytes where the kernels write " + Str(extent.written) +
                                   " (a bug in jax_ep: jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
     }
@@ -287,6 +288,11 @@ ffi::Error RunCombineBackward(const char* op, cudaStream_t stream, int32_t ordin
   if (g_dims.size() != 2 || y_dims.size() != 2 || rows_dims.size() != 3 || g.element_type() != y.element_type()) {
     return ffi::Error::InvalidArgument(std::string(op) + ": g must be [T, H] and y [N, H] of one dtype");
   }
+  const int64_t y_rows = y_dims[0];
+  if (static_cast<int64_t>(row_slot.element_count()) != y_rows ||
+      (weights.element_count() != 0 && static_cast<int64_t>(weights.element_count()) != y_rows)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": row_slot, and weights where given, must have y's N rows");
+  }
   CombineBackwardCall call{.origin = state->origin,
                            .g = g.untyped_data(),
                            .y = y.untyped_data(),
@@ -335,8 +341,15 @@ ffi::Error RunCombine(const char* op, cudaStream_t stream, int32_t ordinal, Grou
   if (pos_dims.size() != 2 || slot_dims.size() != 2 || y.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument(std::string(op) + ": y, token_dest_pos and slot_dest must be matrices");
   }
+  // A finish with stage_own reads no y, weights or row values: its start staged the partial sums and values.
+  const bool reads_y = !(attrs.stage_own && kPhase == Phase::kFinish);
+  const int64_t y_rows = y.dimensions()[0];
+  const auto has_y_rows = [y_rows](size_t count) { return count == 0 || static_cast<int64_t>(count) == y_rows; };
+  if (reads_y && !(has_y_rows(weights.element_count()) && has_y_rows(row_values.element_count()))) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": weights and row_values must have y's N rows, or none");
+  }
   CombineCall call{.origin = state->origin,
-                   .y = attrs.stage_own && kPhase == Phase::kFinish ? nullptr : y.untyped_data(),
+                   .y = reads_y ? y.untyped_data() : nullptr,
                    .weights = weights.element_count() != 0 ? weights.typed_data() : nullptr,
                    .row_values = row_values.element_count() != 0 ? row_values.typed_data() : nullptr,
                    .axis_index = axis_index.typed_data(),
@@ -355,14 +368,15 @@ ffi::Error RunCombine(const char* op, cudaStream_t stream, int32_t ordinal, Grou
     call.sent = DataOf(std::get<0>(rets));
   } else {
     const auto out_dims = std::get<0>(rets)->dimensions();
-    // slot_values: [T, K] with values (a finish with stage_own has them staged, not as an operand), else [0].
-    const int64_t valued = std::get<1>(rets)->element_count() != 0 ? call.num_tokens * call.topk * 4 : 0;
     if (out_dims.size() != 2 || out_dims[0] != call.num_tokens ||
-        (call.y != nullptr && out_dims[1] != call.hidden)) {
-      return ffi::Error::Internal(std::string(op) + ": result out must be [T, H] (a bug in jax_ep: "
+        (reads_y && (out_dims[1] != y.dimensions()[1] || rows_type != y.element_type()))) {
+      return ffi::Error::Internal(std::string(op) + ": result out must be [T, H] of y's dtype (a bug in jax_ep: "
                                   "jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
     }
-    if (auto error = CheckExtents(op, {ExtentOf("slot_values", std::get<1>(rets), valued)}); error.failure()) {
+    // slot_values: [T, K] when the call has row values (a finish with stage_own: when its start staged them).
+    const bool valued = reads_y ? row_values.element_count() != 0 : std::get<1>(rets)->element_count() != 0;
+    const int64_t values_bytes = valued ? call.num_tokens * call.topk * 4 : 0;
+    if (auto error = CheckExtents(op, {ExtentOf("slot_values", std::get<1>(rets), values_bytes)}); error.failure()) {
       return error;
     }
     call.hidden = out_dims[1];  // out [T, H]: a finish with stage_own has no y rows
