@@ -285,15 +285,15 @@ def _handler_refuses(eqn, num_ranks: int) -> str | None:
         return None if got == expected else f"{target}: results of {got} bytes, the kernels write {expected}"
     if target.startswith("jax_ep_combine_backward"):
         g, y, weights, row_slot = ins[0], ins[1], ins[2], ins[6]
-        if row_slot.shape[0] != y.shape[0] or weights.shape[0] not in (0, y.shape[0]):
+        if row_slot.size != y.shape[0] or weights.size not in (0, y.shape[0]):
             return f"{target}: row_slot {row_slot.shape} and weights {weights.shape} against y {y.shape}"
         dy_bytes = y.shape[0] * g.shape[1] * g.dtype.itemsize
-        expected = [4] if phase == "start" else [dy_bytes, 4 * y.shape[0] if weights.shape[0] else 0]
+        expected = [4] if phase == "start" else [dy_bytes, 4 * y.shape[0] if weights.size else 0]
         got = [nbytes(a) for a in outs]
         return None if got == expected else f"{target}: results of {got} bytes, the kernels write {expected}"
     y, weights, row_values, token_dest_pos, slot_dest = ins[0], ins[1], ins[2], ins[5], ins[6]
     reads_y = not (attrs["stage_own"] and phase == "finish")
-    if reads_y and any(a.shape[0] not in (0, y.shape[0]) for a in (weights, row_values)):
+    if reads_y and any(a.size not in (0, y.shape[0]) for a in (weights, row_values)):
         return f"{target}: weights {weights.shape} and row_values {row_values.shape} against y {y.shape}"
     if phase == "start":
         return None if [nbytes(a) for a in outs] == [4] else f"{target}: sent of {outs}"
@@ -301,7 +301,7 @@ def _handler_refuses(eqn, num_ranks: int) -> str | None:
     t, k = token_dest_pos.shape[0], slot_dest.shape[1]
     if out.ndim != 2 or out.shape[0] != t or (reads_y and (out.shape[1] != y.shape[1] or out.dtype != y.dtype)):
         return f"{target}: out {out} against y {y} and T={t}"
-    valued = row_values.shape[0] != 0 if reads_y else slot_values.shape[0] != 0
+    valued = row_values.size != 0 if reads_y else slot_values.size != 0
     return None if nbytes(slot_values) == (4 * t * k if valued else 0) else f"{target}: slot_values {slot_values}"
 
 
@@ -316,9 +316,17 @@ def _split_fp8_expert(x, idx, w):
     return jax_ep.combine_finish(jax_ep.combine_start(d.x * 2, d.handle, weights=d.weights))
 
 
-@pytest.mark.parametrize(
-    "body", [_whole, _split, _separate, _fp8, _split_fp8_expert], ids=["whole", "split", "separate", "fp8", "split_fp8"]
-)
+def _other_rows(x, idx, w):  # y of twice x's width in float32, no weights; the rows moved separately, split combine
+    d = jax_ep.dispatch(x, idx, w, num_experts=8, axis_name="ep", backend="cuda", transfer="separate")
+    y = jnp.concatenate([d.x, d.x], axis=-1).astype(jnp.float32)
+    out = jax_ep.combine_finish(jax_ep.combine_start(y, d.handle))
+    return out[:, : x.shape[1]].astype(x.dtype) + jax_ep.combine(y, d.handle)[:, : x.shape[1]].astype(x.dtype)
+
+
+BODIES = [_whole, _split, _separate, _fp8, _split_fp8_expert, _other_rows]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=["whole", "split", "separate", "fp8", "split_fp8", "other_rows"])
 def test_every_call_the_ops_make_has_the_sizes_the_handlers_check(monkeypatch, extension, body):
     """The operand and result sizes of every FFI call of the ops and their gradients (whole and split, the rows
     moved separately, FP8 rows, both layouts) pass the size checks of the handlers, which refuse a call otherwise:
