@@ -204,6 +204,8 @@ def main() -> None:
             "ragged_dot_ops": hlo.count(" ragged-dot("),
         }
         log(f"compiled step uses {uses}")
+    names = hlo_op_names(hlo)  # the compiled step's op_name of each HLO instruction, for every skew's trace
+    prefix = "/device:GPU" if on_gpu else "/host:CPU"
 
     def profile(skew: float) -> dict:
         """One skew's step time and kernel breakdown, with the compiled step."""
@@ -230,8 +232,6 @@ def main() -> None:
             log(f"traced into {trace_dir}")
 
         xplanes = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        names = hlo_op_names(hlo)
-        prefix = "/device:GPU" if on_gpu else "/host:CPU"
         events, layout = trace_events(xplanes[0], prefix)
         by_scope = collections.defaultdict(float)
         by_pass = collections.defaultdict(float)
