@@ -166,15 +166,19 @@ Extent ExtentOf(const char* name, ffi::Result<Buffer>& result, int64_t written) 
   return Extent{name, result->size_bytes(), written};
 }
 
-// Results whose size is not what the kernels write fail the call: a spec in jax_ep/ep/cuda.py that disagrees
-// with ffi/ must not make a kernel write past a buffer.
+// A result the kernels do not take, as the handlers' error: a spec in jax_ep/ep/cuda.py that disagrees with ffi/
+// must not make a kernel write past a buffer.
+ffi::Error WrongResult(const char* op, const std::string& what) {
+  return ffi::Error::Internal(std::string(op) + ": result " + what +
+                              " (a bug in jax_ep: jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
+}
+
+// Results whose size is not what the kernels write fail the call.
 ffi::Error CheckExtents(const char* op, std::initializer_list<Extent> extents) {
   for (const Extent& extent : extents) {
     if (static_cast<int64_t>(extent.bytes) != extent.written) {
-      return ffi::Error::Internal(std::string(op) + ": result " + extent.name + " has " +
-                                  Str(static_cast<int64_t>(extent.bytes)) +
-                                  " bytes where the kernels write " + Str(extent.written) +
-                                  " (a bug in jax_ep: jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
+      return WrongResult(op, std::string(extent.name) + " has " + Str(static_cast<int64_t>(extent.bytes)) +
+                                 " bytes where the kernels write " + Str(extent.written));
     }
   }
   return ffi::Error::Success();
@@ -370,8 +374,7 @@ ffi::Error RunCombine(const char* op, cudaStream_t stream, int32_t ordinal, Grou
     const auto out_dims = std::get<0>(rets)->dimensions();
     if (out_dims.size() != 2 || out_dims[0] != call.num_tokens ||
         (reads_y && (out_dims[1] != y.dimensions()[1] || rows_type != y.element_type()))) {
-      return ffi::Error::Internal(std::string(op) + ": result out must be [T, H] of y's dtype (a bug in jax_ep: "
-                                  "jax_ep/ep/cuda.py's spec of the call disagrees with ffi/)");
+      return WrongResult(op, "out must be [T, H] of y's dtype");
     }
     // slot_values: [T, K] when the call has row values (a finish with stage_own: when its start staged them).
     const bool valued = reads_y ? row_values.element_count() != 0 : std::get<1>(rets)->element_count() != 0;
